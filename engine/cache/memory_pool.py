@@ -1,0 +1,174 @@
+"""KV memory: the two-level mapping request -> token positions -> KV slots.
+
+`ReqToTokenPool` holds one row per running request mapping each token position to a KV slot;
+`TokenToKVPoolAllocator` hands out KV slots (optionally whole pages); `KVCache` owns the per-layer
+K/V buffers those slots index. Slot 0 is reserved as padding so a zeroed index table is always
+safe to gather from.
+
+Allocation never half-succeeds: an allocator either returns all it was asked for or `None`, and
+leaves its state untouched in the latter case. Callers decide what to do (evict, retract, wait).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """`[size, max_context_len]` int32 table; one row (a "req_pool_idx") per running request."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self._free: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, need: int) -> list[int] | None:
+        """Rows for `need` requests, or None (nothing taken) if fewer are free."""
+        if need > len(self._free):
+            return None
+        taken, self._free = self._free[:need], self._free[need:]
+        return taken
+
+    def free(self, idx: int | list[int]) -> None:
+        self._free.extend([idx] if isinstance(idx, int) else idx)
+
+    def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
+        """Record that positions [start, start+len(slots)) of request row `idx` live in `slots`."""
+        self.req_to_token[idx, start : start + len(slots)] = slots.to(torch.int32)
+
+    def clear(self) -> None:
+        self._free = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free-list allocator of KV slots; with `page_size > 1` it hands out whole pages.
+
+    Slot 0 (page 0 when paged) is never handed out: it is the padding target.
+    `alloc(n)` with pages returns `ceil(n / page_size) * page_size` consecutive-per-page slots
+    trimmed to `n`; callers that extend a partially filled last page use `alloc_extend`.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.num_pages = size // page_size  # page 0 is the padding page
+        self.size = (self.num_pages - 1) * page_size  # usable slots
+        if self.size <= 0:
+            raise ValueError(f"KV pool of {size} tokens is too small for page_size {page_size}")
+        self.clear()
+
+    def clear(self) -> None:
+        # Free pages kept as a Python list: allocation sizes are small and lists pop in O(1).
+        self._free_pages: list[int] = list(range(1, self.num_pages))
+
+    def available_size(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """`need` fresh slots (whole new pages), or None if they do not fit."""
+        if need < 0:
+            raise ValueError(f"cannot allocate {need} slots")
+        n_pages = -(-need // self.page_size)
+        if n_pages > len(self._free_pages):
+            return None
+        pages, self._free_pages = self._free_pages[:n_pages], self._free_pages[n_pages:]
+        if self.page_size == 1:
+            return torch.tensor(pages, dtype=torch.int64, device=self.device)
+        base = torch.tensor(pages, dtype=torch.int64, device=self.device) * self.page_size
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        return (base[:, None] + offsets[None, :]).reshape(-1)[:need]
+
+    def alloc_extend(self, last_slot: int, prefix_len: int, need: int) -> torch.Tensor | None:
+        """Slots for `need` tokens appended after position `prefix_len - 1` stored at `last_slot`.
+
+        With pages, the tail of the current page is used first, then fresh pages. `last_slot` is
+        ignored when `prefix_len` is 0 or the page is full.
+        """
+        if self.page_size == 1 or prefix_len % self.page_size == 0 or need == 0:
+            return self.alloc(need) if need else torch.empty(0, dtype=torch.int64, device=self.device)
+        used_in_page = prefix_len % self.page_size
+        room = self.page_size - used_in_page
+        tail = torch.arange(last_slot + 1, last_slot + 1 + min(room, need), dtype=torch.int64, device=self.device)
+        if need <= room:
+            return tail
+        fresh = self.alloc(need - room)
+        if fresh is None:
+            return None
+        return torch.cat([tail, fresh])
+
+    def free_extend(self, slots: torch.Tensor, prefix_len: int) -> None:
+        """Undo an `alloc_extend(_, prefix_len, _)`: free only the pages it took fresh.
+
+        The leading slots that filled the tail of the request's current page belong to a page the
+        request still uses; freeing them would free that whole page under a live request.
+        """
+        skip = (-prefix_len) % self.page_size
+        if len(slots) > skip:
+            self.free(slots[skip:])
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots. With pages, every page touched by `slots` is freed.
+
+        Callers free whole requests (every slot they own) or whole fresh allocations, so a page
+        is never freed while someone else still holds part of it.
+        """
+        if slots.numel() == 0:
+            return
+        if self.page_size == 1:
+            self._free_pages.extend(slots.tolist())
+            return
+        pages = torch.unique(slots // self.page_size)
+        self._free_pages.extend(pages.tolist())
+
+
+class KVCache:
+    """Per-layer K and V buffers, `[num_slots, num_kv_heads, head_dim]` each (MHATokenToKVPool)."""
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][slots] = k.to(self.dtype)
+        self.v_buffer[layer_id][slots] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_pool_size_from_budget(
+    max_total_tokens: int | None,
+    mem_fraction: float | None,
+    bytes_per_token: int,
+    page_size: int,
+    free_bytes: int,
+) -> int:
+    """Pool size in slots (including the padding page) from a token budget or a memory fraction."""
+    if max_total_tokens is not None:
+        tokens = max_total_tokens
+    else:
+        frac = 0.2 if mem_fraction is None else mem_fraction
+        tokens = int(free_bytes * frac) // bytes_per_token
+    tokens = max(tokens // page_size * page_size, page_size)
+    return tokens + page_size  # + the padding page

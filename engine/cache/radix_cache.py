@@ -1,0 +1,428 @@
+"""Prefix caches: `RadixCache` (RadixAttention) and `ChunkCache` (prefix sharing disabled).
+
+The radix tree maps token sequences to the KV slots that already hold their keys and values, so a
+new request whose prompt starts with a cached prefix only computes the rest. Edges are compressed
+(one node holds a run of tokens and the same number of slots). With `page_size > 1` the tree only
+ever holds whole pages: keys are truncated to a multiple of `page_size` and children are keyed by
+their first page, because the allocator hands out and frees whole pages.
+
+Ownership. A KV slot is owned by exactly one of: the allocator's free list, the tree, or one
+running request (its "own" slots: the part of its `req_to_token` row past the tree prefix it
+points into). Tree nodes are either *protected* (`lock_ref > 0`: some running request reads them)
+or *evictable* (unlocked; `evict` may free them, leaves first, least recently used first).
+
+Locking protocol (as in SGLang): when the scheduler admits a request whose `last_node` came from
+`match_prefix`, it calls `inc_lock_ref(req.last_node)`; `cache_unfinished_req` moves that lock to
+the request's new node and `cache_finished_req` releases it. A chunked request continues with
+`req.init_next_round_input()` *without* the tree cache: its `prefix_indices` (set by
+`cache_unfinished_req`) already cover every committed position, including an unaligned tail.
+
+Invariant the scheduler checks when idle (no running, no chunked request):
+
+    allocator.available_size() + cache.evictable_size() + cache.protected_size() == allocator.size
+    and req_to_token_pool.available_size() == req_to_token_pool.size
+
+While requests run, their own slots (rounded up to whole pages) make up the difference.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from engine.schedule_batch import Req
+
+ChildKey = int | tuple[int, ...]
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+def _committed_tokens(req: Req) -> list[int]:
+    """The token ids of `req`'s first `kv_committed_len` positions, as far as they are known.
+
+    `fill_ids` is exact for a chunk in flight (it is the truncated prompt) but goes stale during
+    decode; `origin_input_ids + output_ids` is current but may lag one token under overlap. Both
+    are prefixes of the same sequence, so the longer one is the best knowledge.
+    """
+    committed = req.kv_committed_len
+    a = req.fill_ids[:committed]
+    b = (req.origin_input_ids + req.output_ids)[:committed]
+    return a if len(a) >= len(b) else b
+
+
+class BasePrefixCache(ABC):
+    """What the scheduler needs from a prefix cache, radix or not."""
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:
+        """Longest cached prefix of `key`: (its int64 KV slots, the node it ends at)."""
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Cache `key -> value`; return how many leading tokens were already cached."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: Req) -> None:
+        """Hand a finished request's KV to the cache (or free it) and release its row and lock."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: Req) -> None:
+        """Make a running request's committed KV its prefix for the next round; it keeps its row."""
+
+    def evict(self, num_tokens: int) -> int:
+        """Free up to (at least, page granularity permitting) `num_tokens` cached slots."""
+        return 0
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        """Protect `node` and its ancestors from eviction."""
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        """Undo one `inc_lock_ref(node)`."""
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    def reset(self) -> None:
+        """Drop everything cached (only when no request holds a lock)."""
+
+    def pretty_print(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
+class TreeNode:
+    """One compressed edge of the radix tree: `key` tokens stored at `value` slots."""
+
+    _ids = itertools.count()
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = 0
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+class RadixCache(BasePrefixCache):
+    """Radix tree over token ids whose values are KV slots (SGLang's RadixAttention cache)."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        page_size: int = 1,
+    ) -> None:
+        if page_size != token_to_kv_pool_allocator.page_size:
+            raise ValueError(
+                f"page_size {page_size} != allocator page_size {token_to_kv_pool_allocator.page_size}"
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        # A logical clock, not wall time: deterministic LRU order, no ties from coarse timers.
+        self._clock = itertools.count(1)
+        self.reset_tree()
+
+    # ---- tree bookkeeping ---------------------------------------------------------------------
+
+    def reset_tree(self) -> None:
+        """Forget the tree without freeing anything (construction; `reset` frees first)."""
+        self.root = TreeNode([], _empty_slots(), None)
+        self.root.lock_ref = 1  # never evicted, never counted
+        self._evictable = 0
+        self._protected = 0
+
+    def reset(self) -> None:
+        if self._protected:
+            raise RuntimeError(f"reset with {self._protected} protected tokens (requests still locked)")
+        slots = [node.value for node in self._nodes()]
+        if slots:
+            self.token_to_kv_pool_allocator.free(torch.cat(slots))
+        self.reset_tree()
+
+    def _nodes(self) -> list[TreeNode]:
+        """Every node but the root."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _child_key(self, key: list[int]) -> ChildKey:
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _match_len(self, a: list[int], b: list[int]) -> int:
+        """Length of the common prefix of `a` and `b`, in whole pages."""
+        n = min(len(a), len(b))
+        if self.page_size == 1:
+            i = 0
+            while i < n and a[i] == b[i]:
+                i += 1
+            return i
+        ps, i = self.page_size, 0
+        while i + ps <= n and a[i : i + ps] == b[i : i + ps]:
+            i += ps
+        return i
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut `child` after `at` tokens; return the new upper node (which inherits the locks)."""
+        upper = TreeNode(child.key[:at], child.value[:at].clone(), child.parent)
+        upper.lock_ref = child.lock_ref  # same requests read both halves
+        upper.last_access_time = child.last_access_time
+        child.key = child.key[at:]
+        child.value = child.value[at:].clone()
+        child.parent = upper
+        upper.children[self._child_key(child.key)] = child
+        assert upper.parent is not None
+        upper.parent.children[self._child_key(upper.key)] = upper
+        return upper
+
+    # ---- match / insert -----------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix; splits a node so the result ends at a node."""
+        key = key[: self._aligned(len(key))]
+        now = next(self._clock)
+        node, values = self.root, []
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split(child, n)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, key = child, key[n:]
+        return (torch.cat(values) if values else _empty_slots()), node
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert the page-aligned part of `key -> value`; return the length already present.
+
+        For the already-present part the tree keeps its own slots: the caller still owns (and must
+        free) its `value[:returned_len]` unless those are the tree's slots already.
+        """
+        if len(value) < len(key):
+            raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")
+        n_keep = self._aligned(len(key))
+        key, value = key[:n_keep], value[:n_keep]
+        now = next(self._clock)
+        node, present = self.root, 0
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            present += n
+            key, value = key[n:], value[n:]
+            node = self._split(child, n) if n < len(child.key) else child
+        if key:
+            leaf = TreeNode(list(key), value.to(torch.int64).clone(), node)
+            leaf.last_access_time = now
+            node.children[self._child_key(key)] = leaf
+            self._evictable += len(key)
+        return present
+
+    # ---- request hand-off ---------------------------------------------------------------------
+
+    def _tree_len(self, req: Req) -> int:
+        """Leading positions of `req`'s row that already point at tree slots.
+
+        `prefix_indices` is the tree prefix, possibly followed (after `cache_unfinished_req`) by
+        the request's own unaligned tail; the tree part is its page-aligned length.
+        """
+        return self._aligned(len(req.prefix_indices))
+
+    def cache_finished_req(self, req: Req) -> None:
+        """Insert the request's committed tokens, free what the tree does not take, drop its row.
+
+        The last sampled token has no KV yet, so the key is the first `kv_committed_len` tokens.
+        """
+        row = req.req_pool_idx
+        if row is None:
+            raise ValueError(f"cache_finished_req: {req!r} holds no req_to_token row")
+        committed = req.kv_committed_len
+        token_ids = _committed_tokens(req)
+        kv = self.req_to_token_pool.req_to_token[row, :committed].to(torch.int64)
+        alloc = self.token_to_kv_pool_allocator
+        n = self._aligned(len(token_ids))
+        present = self.insert(token_ids[:n], kv[:n])
+        alloc.free(kv[self._tree_len(req) : present])  # our duplicates of what the tree had
+        alloc.free(kv[n:])  # the unaligned tail (and any KV without a known token)
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx = None
+        self.dec_lock_ref(req.last_node)
+        req.last_node = None
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """Share a running request's committed prefix and point the request at the tree's slots.
+
+        After this, `req.prefix_indices` covers all `kv_committed_len` positions: the tree's
+        page-aligned part followed by the request's own unaligned tail (still owned by it).
+        """
+        row = req.req_pool_idx
+        if row is None:
+            raise ValueError(f"cache_unfinished_req: {req!r} holds no req_to_token row")
+        committed = req.kv_committed_len
+        token_ids = _committed_tokens(req)
+        kv = self.req_to_token_pool.req_to_token[row, :committed].to(torch.int64)
+        n = self._aligned(len(token_ids))
+        present = self.insert(token_ids[:n], kv[:n])
+        self.token_to_kv_pool_allocator.free(kv[self._tree_len(req) : present])
+        new_indices, new_node = self.match_prefix(token_ids[:n])
+        assert len(new_indices) == n, "a just-inserted key must match in full"
+        self.req_to_token_pool.write(row, 0, new_indices)
+        req.prefix_indices = torch.cat([new_indices, kv[n:]])
+        self.inc_lock_ref(new_node)  # before dec, so the shared path never looks unlocked
+        self.dec_lock_ref(req.last_node)
+        req.last_node = new_node
+
+    # ---- locks and eviction -------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.value)
+                self._protected += len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.value)
+                self._evictable += len(node.value)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, least recently used first, until `num_tokens` are freed.
+
+        A parent whose last child goes becomes a candidate itself, so whole cold branches go.
+        Returns the number of tokens freed (may exceed `num_tokens` by part of a node, or fall
+        short when everything left is locked).
+        """
+        heap = [n for n in self._nodes() if n.is_leaf() and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed, to_free = 0, []
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)
+            to_free.append(node.value)
+            freed += len(node.value)
+            self._evictable -= len(node.value)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(node.key)]
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        if to_free:
+            self.token_to_kv_pool_allocator.free(torch.cat(to_free))
+        return freed
+
+    # ---- sizes and debugging ------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    def all_values(self) -> torch.Tensor:
+        """Every slot held by the tree (for invariant checks)."""
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else _empty_slots()
+
+    def pretty_print(self) -> str:
+        """Indented dump of the tree; returned (and printed) for debugging."""
+        lines: list[str] = [f"root (evictable={self._evictable}, protected={self._protected})"]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.key):
+                head = child.key[:8]
+                more = "..." if len(child.key) > 8 else ""
+                lines.append(
+                    f"{'  ' * depth}{head}{more} len={len(child.key)} lock={child.lock_ref} "
+                    f"t={child.last_access_time}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+
+class ChunkCache(BasePrefixCache):
+    """No prefix sharing: each request only ever reuses its own KV (across prefill chunks)."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        page_size: int = 1,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
+        return _empty_slots(), None
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        return 0
+
+    def cache_finished_req(self, req: Req) -> None:
+        row = req.req_pool_idx
+        if row is None:
+            raise ValueError(f"cache_finished_req: {req!r} holds no req_to_token row")
+        kv = self.req_to_token_pool.req_to_token[row, : req.kv_committed_len].to(torch.int64)
+        self.token_to_kv_pool_allocator.free(kv)
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        row = req.req_pool_idx
+        if row is None:
+            raise ValueError(f"cache_unfinished_req: {req!r} holds no req_to_token row")
+        kv = self.req_to_token_pool.req_to_token[row, : req.kv_committed_len]
+        req.prefix_indices = kv.to(torch.int64, copy=True)

@@ -1,0 +1,110 @@
+"""Attention over the token-level KV pool with torch's scaled_dot_product_attention.
+
+The reference backend (CPU, and the ground truth for the Triton kernels):
+
+- decode: one batched SDPA for the whole batch. The per-request KV slot lists are gathered once
+  per forward into a padded `[B, max_len]` index table plus a length mask (`init_forward_metadata`),
+  and every layer reuses them. No Python loop over requests per layer.
+- extend: a loop over requests (prefill is compute-bound, so the loop's overhead is small next to
+  the matmuls, and no work is wasted on padding mixed lengths). New tokens attend to the cached
+  prefix read from the pool plus themselves, causally. Without a prefix the fresh K/V are used
+  directly (no gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class _DecodeMeta:
+    kv_indices: torch.Tensor  # [B, max_len] int64 slot ids (padding -> whatever the table holds)
+    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True = attend
+
+
+@dataclass
+class _ExtendMeta:
+    kv_indices: list[torch.Tensor | None]  # per request: slots of the whole sequence, None if no prefix
+    q_starts: list[int]
+    masks: list[torch.Tensor | None]  # per request: [extend, seq] bool when there is a prefix
+
+
+class TorchAttnBackend:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.meta: _DecodeMeta | _ExtendMeta | None = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        table = fb.req_to_token_pool.req_to_token
+        if fb.forward_mode.is_decode():
+            max_len = max(fb.seq_lens_cpu)
+            kv_indices = table[fb.req_pool_indices, :max_len].to(torch.int64)
+            ar = torch.arange(max_len, device=kv_indices.device)
+            mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
+            self.meta = _DecodeMeta(kv_indices, mask)
+            return
+        kv_indices, masks, q_starts, start = [], [], [], 0
+        for row, prefix, ext in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens, fb.extend_seq_lens):
+            q_starts.append(start)
+            start += ext
+            if prefix == 0:
+                kv_indices.append(None)
+                masks.append(None)
+                continue
+            seq = prefix + ext
+            kv_indices.append(table[row, :seq].to(torch.int64))
+            q_pos = torch.arange(prefix, seq)[:, None]
+            masks.append(torch.arange(seq)[None, :] <= q_pos)
+        self.meta = _ExtendMeta(kv_indices, q_starts, masks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Returns [T, H*D]."""
+        pool = fb.token_to_kv_pool
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if fb.forward_mode.is_decode():
+            return self._decode(q, layer_id, fb)
+        return self._extend(q, k, v, layer_id, fb)
+
+    def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        meta = self.meta
+        assert isinstance(meta, _DecodeMeta)
+        pool = fb.token_to_kv_pool
+        b, max_len = meta.kv_indices.shape
+        flat = meta.kv_indices.reshape(-1)
+        k = pool.k_buffer[layer_id][flat].view(b, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = pool.v_buffer[layer_id][flat].view(b, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=meta.mask, scale=self.scaling, enable_gqa=True
+        )  # [B, H, 1, D]
+        return out.reshape(b, self.num_heads * self.head_dim)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        meta = self.meta
+        assert isinstance(meta, _ExtendMeta)
+        pool = fb.token_to_kv_pool
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        for i, ext in enumerate(fb.extend_seq_lens):
+            s = meta.q_starts[i]
+            qi = q[s : s + ext].transpose(0, 1)  # [H, ext, D]
+            idx = meta.kv_indices[i]
+            if idx is None:
+                ki, vi = k[s : s + ext].transpose(0, 1), v[s : s + ext].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
+            else:
+                ki = pool.k_buffer[layer_id][idx].transpose(0, 1)
+                vi = pool.v_buffer[layer_id][idx].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=meta.masks[i], scale=self.scaling, enable_gqa=True
+                )
+            out[s : s + ext] = o.transpose(0, 1).reshape(ext, -1)
+        return out

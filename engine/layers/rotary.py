@@ -1,0 +1,58 @@
+"""Rotary position embedding.
+
+Inverse frequencies come from transformers' own RoPE initialisers (default, linear, llama3, yarn,
+longrope, ...), so every scaling type transformers supports for these models is computed the same
+way. cos/sin are computed per forward for the batch's positions, with the same op order as
+transformers, which keeps fp32 greedy outputs token-identical.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+log = logging.getLogger(__name__)
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" not in params:  # older-style configs
+        params = dict(params, rope_theta=getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding:
+    def __init__(self, config, head_dim: int, device: torch.device) -> None:
+        params = _rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            self.attention_scaling = 1.0
+        else:
+            if rope_type == "dynamic":
+                log.warning("dynamic RoPE: using the base frequencies (exact up to the original max length)")
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [num_tokens, head_dim] for flat token positions."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (_rotate_half(x) * sin)

@@ -1,0 +1,176 @@
+"""Native Llama-family decoder (Llama, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm).
+
+One implementation for the three: they differ only in biases and q/k norm (see ModelConfig).
+Projections are fused (q|k|v in one matmul, gate|up in one) to cut per-layer kernel launches;
+attention goes through the backend over the paged KV pool. Numerics follow transformers' op
+order (RMSNorm in fp32, RoPE in fp32 then cast) so fp32 greedy output is token-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.forward_batch import ForwardBatch
+from engine.layers.norm import rms_norm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.model_config import ModelConfig
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.input_norm = _param(h)
+        self.qkv_w = _param(self.q_size + 2 * self.kv_size, h)
+        self.qkv_b = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.o_w = _param(h, self.q_size)
+        self.o_b = _param(h) if cfg.o_bias else None
+        self.q_norm = _param(d) if cfg.qk_norm else None
+        self.k_norm = _param(d) if cfg.qk_norm else None
+        self.post_norm = _param(h)
+        self.gate_up_w = _param(2 * cfg.intermediate_size, h)
+        self.gate_up_b = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        self.down_w = _param(h, cfg.intermediate_size)
+        self.down_b = _param(h) if cfg.mlp_bias else None
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, eps)
+        qkv = F.linear(h, self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
+        x = x + F.linear(attn, self.o_w, self.o_b)
+        h = rms_norm(x, self.post_norm, eps)
+        gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
+        return x + F.linear(self.act(gate) * up, self.down_w, self.down_b)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, hf_config, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(hf_config, cfg.head_dim, device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] (last new token of each request), or [num_tokens, V] with prompt logits."""
+        x = F.embedding(fb.input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, fb)
+        if fb.forward_mode.is_extend() and not fb.return_prompt_logits:
+            last = torch.tensor(fb.extend_seq_lens, device=x.device).cumsum(0) - 1
+            x = x[last]
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set."""
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        # name suffix -> (our param attribute, row offset, row count) inside a fused parameter
+        fused = {
+            "self_attn.q_proj": ("qkv", 0, q), "self_attn.k_proj": ("qkv", q, kv),
+            "self_attn.v_proj": ("qkv", q + kv, kv), "self_attn.o_proj": ("o", 0, None),
+            "mlp.gate_proj": ("gate_up", 0, inter), "mlp.up_proj": ("gate_up", inter, inter),
+            "mlp.down_proj": ("down", 0, None),
+        }  # fmt: skip
+        plain = {
+            "input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
+            "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+        }  # fmt: skip
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name == "model.embed_tokens.weight":
+                self._copy(self.embed, tensor, name)
+                seen.add("embed")
+            elif name == "model.norm.weight":
+                self._copy(self.norm, tensor, name)
+                seen.add("norm")
+            elif name == "lm_head.weight":
+                if self.lm_head is not None:
+                    self._copy(self.lm_head, tensor, name)
+                    seen.add("lm_head")
+            elif name.startswith("model.layers."):
+                _, _, idx, rest = name.split(".", 3)
+                layer = self.layers[int(idx)]
+                module, _, kind = rest.rpartition(".")
+                if rest in plain:
+                    self._copy(getattr(layer, plain[rest]), tensor, name)
+                    seen.add(f"{idx}.{plain[rest]}")
+                elif module in fused:
+                    attr, off, rows = fused[module]
+                    target = getattr(layer, f"{attr}_{'w' if kind == 'weight' else 'b'}")
+                    if target is None:
+                        raise ModelLoadError(f"unexpected weight {name} for {cfg.architecture}")
+                    rows = rows if rows is not None else target.shape[0]
+                    self._copy(target.data[off : off + rows], tensor, name)
+                    seen.add(f"{idx}.{module}.{kind}")
+                elif "rotary_emb" not in rest:
+                    raise ModelLoadError(f"unexpected weight {name} for {cfg.architecture}")
+        missing = self._expected_names() - seen
+        if missing:
+            raise ModelLoadError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+
+    def _expected_names(self) -> set[str]:
+        names = {"embed", "norm"} | ({"lm_head"} if self.lm_head is not None else set())
+        for i, layer in enumerate(self.layers):
+            names |= {f"{i}.input_norm", f"{i}.post_norm"}
+            for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+                names.add(f"{i}.{m}.weight")
+            if layer.qkv_b is not None:
+                names |= {f"{i}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
+            if layer.o_b is not None:
+                names.add(f"{i}.self_attn.o_proj.bias")
+            if layer.gate_up_b is not None:
+                names |= {f"{i}.mlp.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")}
+            if layer.q_norm is not None:
+                names |= {f"{i}.q_norm", f"{i}.k_norm"}
+        return names
+
+    @staticmethod
+    def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.data.copy_(tensor)
+
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}

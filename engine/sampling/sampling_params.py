@@ -1,0 +1,155 @@
+"""Per-request sampling parameters and their validation.
+
+Field names and validation rules follow SGLang's `SamplingParams`, so that request bodies and
+mental models carry over. The struct is a plain value: the server decodes it straight from JSON
+with msgspec (which checks types there), and in-process callers build it by keyword. Either way
+`verify()` must be called before a request is admitted: it is the single place that turns a bad
+value into an `InvalidRequestError` naming the field, instead of a NaN or a crash deep in the
+sampler several steps later.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from engine.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy decoding (SGLang's `_SAMPLING_EPS`): dividing
+# logits by something this small only overflows, and the user clearly asked for argmax.
+SAMPLING_EPS = 1e-6
+
+# `top_k` value meaning "no top-k filtering".
+TOP_K_DISABLED = -1
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `top_k=True` is a client bug, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How one request wants its tokens chosen and when it wants to stop.
+
+    `temperature == 0` (anything below `SAMPLING_EPS`) or `top_k == 1` means greedy decoding.
+    `seed` is stored as given (any int); the sampler folds it to 63 bits.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_DISABLED
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when this request decodes by argmax (no randomness at all)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> list[str]:
+        """The stop strings as a list, whatever form `stop` was given in.
+
+        Empty strings are dropped: they would match before any text and end every request at
+        once, which no client means by them.
+        """
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError(param=<field>)` for the first invalid field.
+
+        Rules are SGLang's. Comparisons are written as `not (valid range)` so that NaN, which
+        fails every comparison, is rejected too. `vocab_size`, when given, bounds stop_token_ids.
+        """
+        self._verify_types()
+        self._verify_ranges()
+        if vocab_size is not None and self.stop_token_ids:
+            for token_id in self.stop_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidRequestError(
+                        f"stop_token_ids must be in [0, {vocab_size}), got {token_id}",
+                        param="stop_token_ids",
+                    )
+
+    def _verify_types(self) -> None:
+        # msgspec validates types when decoding JSON, but not when a Python caller builds the
+        # struct by hand; a wrong type would otherwise surface as a TypeError inside torch.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise InvalidRequestError(
+                    f"{name} must be a finite number, got {value!r}", param=name
+                )
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {value!r}", param=name)
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                raise InvalidRequestError(
+                    f"stop must be a string or a list of strings, got {stop!r}", param="stop"
+                )
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids"
+            )
+
+    def _verify_ranges(self) -> None:
+        def fail(name: str, rule: str) -> None:
+            raise InvalidRequestError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
+
+        if not self.temperature >= 0.0:
+            fail("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not (self.top_k == TOP_K_DISABLED or self.top_k >= 1):
+            fail("top_k", "-1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", "in (0, 2]")
+        if not self.max_new_tokens >= 0:
+            fail("max_new_tokens", ">= 0")
+        if not self.min_new_tokens >= 0:
+            fail("min_new_tokens", ">= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            fail("min_new_tokens", f"<= max_new_tokens ({self.max_new_tokens})")
+        if not self.n >= 1:
+            fail("n", ">= 1")

