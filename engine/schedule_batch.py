@@ -302,8 +302,11 @@ class ScheduleBatch:
         self._set_index_tensors()
 
     def merge_batch(self, other: ScheduleBatch) -> None:
-        """Append another batch's requests (a finished prefill joins the running decode batch)."""
-        self.reqs.extend(other.reqs)
+        """Append another batch's requests (a finished prefill joins the running decode batch).
+
+        Finished requests (whose memory may already be freed) are dropped from both.
+        """
+        self.reqs = [r for r in self.reqs + other.reqs if not r.finished()]
         self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
         self.input_ids = None
         self.out_cache_loc = None

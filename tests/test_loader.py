@@ -2,7 +2,9 @@
 
 The weight tests compare against transformers itself: whatever our loader yields must be exactly
 (torch.equal) what transformers loads from the same file, so the engine's model sees the same
-numbers the reference implementation does.
+numbers the reference implementation does. `default_source` / `default_tokenizer` are the session
+fixtures from conftest.py, shared with the other test files (each costs transformers ~15 s of GGUF
+metadata parsing).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def cached_gguf_name_maps(monkeypatch):
     """Memoize gguf.get_tensor_name_map for transformers' reference load.
 
     transformers rebuilds the (pure, deterministic) name map once per submodule, ~400 times for a
-    30-layer model, which is most of its load time on a small machine; caching changes no result.
+    30-layer model, about a third of its load time here; caching changes no result.
     """
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
 
@@ -234,7 +236,10 @@ def _write_gguf(path, model, arch: str, extra: dict[str, np.ndarray] | None = No
     w.close()
 
 
-TINY_GGUF = {"llama": "llama-untied", "llama-tied": "llama-tied-sharded", "qwen2": "qwen2-bias", "qwen3": "qwen3-qknorm"}
+# GGUF variant -> the tiny model it is written from (the GGUF architecture is the part before "-")
+TINY_GGUF = {
+    "llama": "llama-untied", "llama-tied": "llama-tied-sharded", "qwen2": "qwen2-bias", "qwen3": "qwen3-qknorm",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(TINY_GGUF))

@@ -1,0 +1,347 @@
+"""The scheduler's state machine: what runs next, memory, retraction, results (seeds 001, 004).
+
+`Scheduler` is plain synchronous logic owned by one actor (`OverlapScheduler` in
+scheduler_actor.py), which adds the event loop, the device stream and the messages. Keeping the
+logic free of asyncio makes every decision testable step by step.
+
+Overlap contract (SGLang's): batch N+1 is planned while batch N runs, so results are processed
+one step late. Consequences handled here:
+- a request finished by N may sit in N+1; its extra token is dropped (`req.finished()`);
+- a request retracted after N+1 was launched gets a new `epoch`; N+1's token for the old epoch
+  is dropped;
+- memory freed while a batch is in flight may be reused by a later batch: the device stream runs
+  batches in order, so the later batch's writes land after the in-flight batch's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.actors.messages import BatchTokenOut
+from engine.actors.prefill_adder import PrefillAdder, SchedulePolicy
+from engine.cache.radix_cache import BasePrefixCache, ChunkCache, RadixCache
+from engine.model_runner import GenerationBatchResult, ModelRunner
+from engine.schedule_batch import Finished, FinishReason, ForwardMode, Req, ScheduleBatch
+from engine.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RETRACT_DECODE_STEPS = 20
+
+
+class MemoryLeakError(RuntimeError):
+    """`check_memory` found KV slots or request rows unaccounted for while idle."""
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch handed to the device, with what result processing must know about it."""
+
+    batch: ScheduleBatch
+    reqs: list[Req]
+    epochs: list[int]
+    mode: ForwardMode
+    mid_chunk: list[bool]  # this forward computed a non-final chunk of that request's prompt
+    launched_at: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
+        self.runner = runner
+        self.args = args
+        self.page_size = args.page_size
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.vocab_size = runner.model_config.vocab_size
+        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
+        self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
+        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, not args.disable_radix_cache)
+        chunk = args.chunked_prefill_size
+        self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
+        self.max_running_requests = min(args.max_running_requests, self.req_to_token_pool.size)
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch = self._new_batch([])
+        self.chunked_req: Req | None = None
+        self.last_batch: LaunchedBatch | None = None  # last launched extend, merged next round
+        self.reqs_by_rid: dict[str, Req] = {}
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.epochs: dict[str, int] = {}
+        # stats
+        self.num_retractions = 0
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.started_at = time.perf_counter()
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.vocab_size)
+
+    # ---- admission / abort ------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        self.waiting_queue.append(req)
+        self.reqs_by_rid[req.rid] = req
+        self.epochs[req.rid] = 0
+
+    def abort_request(self, rid: str, message: str, reason: FinishReason = FinishReason.ABORT,
+                      matched: int | str | None = None) -> Req | None:  # fmt: skip
+        """Finish a request wherever it is, freeing its memory now. Returns it if it was live."""
+        req = self.reqs_by_rid.get(rid)
+        if req is None or req.finished():
+            return None
+        req.finished_reason = Finished(reason, matched=matched, message=message if reason is FinishReason.ABORT else None)
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            if req.req_pool_idx is not None:  # a retracted request keeps nothing; a fresh one has nothing
+                self._release(req)
+        else:
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self._release(req)
+        self.reqs_by_rid.pop(rid, None)
+        return req
+
+    def _release(self, req: Req) -> None:
+        """Give back a request's row and KV (caching what is reusable); never twice."""
+        if req.req_pool_idx is None:
+            return
+        self.tree_cache.cache_finished_req(req)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.last_batch is not None and self.last_batch.mode.is_extend():
+            # The previous prefill joins the running batch (minus a continuing chunk / finished reqs).
+            joined = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+            self.last_batch = None
+            if joined:
+                self.running_batch.merge_batch(self._new_batch(joined))
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        self.running_batch.filter_batch()
+        if self.running_batch.is_empty():
+            return None
+        return self.update_running_batch(self.running_batch)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        self.running_batch.filter_batch()
+        running = self.running_batch.reqs
+        if len(running) >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        rem_total = (
+            self.allocator.available_size()
+            + self.tree_cache.evictable_size()
+            - PrefillAdder.running_reservation(running, self.new_token_ratio)
+        )
+        adder = PrefillAdder(
+            tree_cache=self.tree_cache,
+            page_size=self.page_size,
+            rem_total_tokens=rem_total,
+            rem_input_tokens=self.args.max_prefill_tokens,
+            rem_chunk_tokens=self.chunked_prefill_size,
+            max_new_reqs=self.max_running_requests - len(running),
+        )
+        if self.chunked_req is not None:
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
+            adder.add_chunked_req(self.chunked_req)
+        if adder.new_chunked_req is None:
+            for req in self.waiting_queue:
+                if not adder.add_one_req(req):
+                    break
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        batch = self._new_batch(can_run)
+        need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in can_run)
+        self._evict_for(need)
+        if not batch.prepare_for_extend():
+            for req in can_run:  # undo the admission; they stay (or go back) in the queue
+                if req is not self.chunked_req:
+                    self.tree_cache.dec_lock_ref(req.last_node)
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        self.hit_tokens += adder.log_hit_tokens
+        self.prompt_tokens += adder.log_input_tokens
+        return batch
+
+    def _evict_for(self, need: int) -> None:
+        short = need - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
+        """Make room for one more token per running request (retracting if needed), then decode."""
+        need = len(batch.reqs) * self.page_size
+        self._evict_for(need)
+        retracted = []
+        while self.allocator.available_size() < need and batch.reqs:
+            retracted.append(self.retract_one(batch))
+            need = len(batch.reqs) * self.page_size
+            self._evict_for(need)
+        if retracted:
+            self.num_retractions += len(retracted)
+            total_max = sum(r.sampling_params.max_new_tokens for r in batch.reqs) or 1
+            decoded = sum(len(r.output_ids) for r in batch.reqs)
+            ratio = (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / total_max
+            self.new_token_ratio = min(1.0, max(self.new_token_ratio, ratio))
+            log.info("retracted %d request(s); new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+        else:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if batch.is_empty():
+            return None
+        if not batch.prepare_for_decode(inputs_on_device=True):
+            return None  # cannot happen after the loop above; be safe rather than crash
+        return batch
+
+    def retract_one(self, batch: ScheduleBatch) -> Req:
+        """Send the request with the least progress back to the waiting queue, freeing its KV.
+
+        A request alone in the batch that still cannot grow is aborted: it will never fit.
+        """
+        reqs = batch.reqs
+        victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        batch.filter_batch([i for i, r in enumerate(reqs) if r is not victim])
+        if not batch.reqs and self.allocator.available_size() + self.tree_cache.evictable_size() < self.page_size:
+            self.abort_request(victim.rid, "the request does not fit in the KV cache pool")
+            return victim
+        self._release(victim)
+        victim.prefix_indices = torch.empty(0, dtype=torch.int64)
+        victim.kv_committed_len = 0
+        victim.is_chunked = 0
+        self.epochs[victim.rid] += 1
+        self.waiting_queue.insert(0, victim)
+        return victim
+
+    def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
+        reqs = list(batch.reqs)
+        mid_chunk = [batch.forward_mode.is_extend() and r.is_chunked > 0 for r in reqs]
+        lb = LaunchedBatch(batch, reqs, [self.epochs[r.rid] for r in reqs], batch.forward_mode, mid_chunk)
+        if lb.mode.is_extend():
+            self.last_batch = lb
+        return lb
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def process_batch_result(self, lb: LaunchedBatch, result: GenerationBatchResult) -> BatchTokenOut:
+        out = result.sampler_output
+        ids = result.next_token_ids.tolist()
+        want_lp = out.logprobs is not None
+        lps = out.logprobs.tolist() if want_lp else None
+        top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
+        top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
+        msg = _empty_out()
+        for i, req in enumerate(lb.reqs):
+            if req.finished() or lb.epochs[i] != self.epochs.get(req.rid, -1):
+                continue  # finished/aborted/retracted after this batch was launched
+            if lb.mid_chunk[i]:
+                continue  # a middle chunk: its sampled token means nothing
+            tok = ids[i]
+            req.output_ids.append(tok)
+            self.generated_tokens += 1
+            lp = top = None
+            if req.return_logprob and lps is not None:
+                lp = lps[i]
+                if req.top_logprobs_num and top_idx is not None:
+                    n = req.top_logprobs_num
+                    top = list(zip(top_idx[i][:n], top_val[i][:n]))
+            req.check_finished()
+            if lb.mode.is_extend() and not req.finished():
+                # Make the just-computed prompt shareable while the request decodes (SGLang does
+                # the same); the request is re-pointed at the tree's slots.
+                self.tree_cache.cache_unfinished_req(req)
+            fin = req.finished_reason
+            _append(msg, req, tok, fin, lp, top)
+            if fin is not None:
+                self._release(req)
+                self.reqs_by_rid.pop(req.rid, None)
+        return msg
+
+    def fail_batch(self, lb: LaunchedBatch, error: BaseException) -> BatchTokenOut:
+        """A forward raised: the requests in it end with an error; everyone else keeps going."""
+        msg = _empty_out()
+        for req in lb.reqs:
+            if self.abort_request(req.rid, f"internal error during forward: {error!r}") is not None:
+                _append(msg, req, -1, req.finished_reason, None, None)
+        if self.last_batch is lb:
+            self.last_batch = None
+        return msg
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def is_idle(self) -> bool:
+        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
+            self.last_batch is None
+        )
+
+    def check_memory(self) -> None:
+        """When idle: every KV slot is free or in the tree, and no request row is held."""
+        total = self.allocator.size
+        avail, evictable, protected = (
+            self.allocator.available_size(), self.tree_cache.evictable_size(), self.tree_cache.protected_size(),
+        )  # fmt: skip
+        rows_free = self.req_to_token_pool.available_size()
+        if avail + evictable + protected != total or rows_free != self.req_to_token_pool.size or protected:
+            msg = (
+                f"memory leak: available={avail} evictable={evictable} protected={protected} total={total} "
+                f"free_rows={rows_free}/{self.req_to_token_pool.size}"
+            )
+            log.error(msg)
+            raise MemoryLeakError(msg)
+
+    def flush_cache(self) -> bool:
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        return True
+
+    def internal_state(self) -> dict:
+        elapsed = max(time.perf_counter() - self.started_at, 1e-9)
+        return {
+            "running_requests": len([r for r in self.running_batch.reqs if not r.finished()]),
+            "waiting_requests": len(self.waiting_queue) + (1 if self.chunked_req is not None else 0),
+            "total_tokens": self.allocator.size,
+            "available_tokens": self.allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "token_usage": 1.0 - (self.allocator.available_size() + self.tree_cache.evictable_size()) / self.allocator.size,
+            "cache_hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "new_token_ratio": self.new_token_ratio,
+            "num_retractions": self.num_retractions,
+            "generated_tokens": self.generated_tokens,
+            "gen_throughput": self.generated_tokens / elapsed,
+            "max_running_requests": self.max_running_requests,
+            "page_size": self.page_size,
+            "radix_cache": not self.args.disable_radix_cache,
+        }
+
+
+def _empty_out() -> BatchTokenOut:
+    return BatchTokenOut([], [], [], [], [], [], [], [], [])
+
+
+def _append(msg: BatchTokenOut, req: Req, tok: int, fin: Finished | None, lp, top) -> None:
+    msg.rids.append(req.rid)
+    msg.token_ids.append(tok)
+    msg.finish_reasons.append(fin.reason.value if fin else None)
+    msg.matched.append(fin.matched if fin is not None and isinstance(fin.matched, int) else None)
+    msg.messages.append(fin.message if fin else None)
+    msg.prompt_tokens.append(len(req.origin_input_ids))
+    msg.cached_tokens.append(req.cached_tokens)
+    msg.logprobs.append(lp)
+    msg.top_logprobs.append(top)
