@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -62,6 +63,15 @@ class DeviceHandle(Generic[T]):
     def done(self) -> bool:
         """True once the launched work finished (successfully or not); never blocks."""
         return self._future.done()
+
+    @property
+    def future(self) -> asyncio.Future[T]:
+        """The underlying loop future, for done-callbacks and `asyncio.wait`-style multiplexing.
+
+        Read it (`add_done_callback`, `result()` once done); never cancel or resolve it: that would
+        make `done()` claim the device finished while it has not.
+        """
+        return self._future
 
     def __await__(self) -> Generator[Any, None, T]:
         return asyncio.shield(self._future).__await__()
@@ -119,7 +129,7 @@ class _Completion:
     which is all a CUDA host callback is allowed to do.
     """
 
-    __slots__ = ("loop", "future", "ok", "value", "keepalive", "on_settle")
+    __slots__ = ("loop", "future", "ok", "value", "keepalive", "on_settle", "arrived")
 
     def __init__(
         self,
@@ -136,6 +146,7 @@ class _Completion:
         self.value = value
         self.keepalive = keepalive
         self.on_settle = on_settle
+        self.arrived = False
 
     def deliver(self) -> None:
         try:
@@ -144,8 +155,13 @@ class _Completion:
             pass
 
     def _settle(self) -> None:
-        if self.on_settle is not None:
+        if self.on_settle is not None:  # the owner resolves it, in launch order
             self.on_settle(self)
+        else:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Settle the future with the outcome (on the loop's thread); drop the keepalive."""
         future, ok, value = self.future, self.ok, self.value
         self.keepalive = self.value = None
         if future.done():
@@ -369,7 +385,10 @@ class CudaDeviceStream(DeviceStream):
         self.stream = torch.cuda.Stream(device=dev)
         self._host_stream = _cupy_host_stream(self.stream.cuda_stream, dev.index)
         self._waiter: _EventWaiter | None = None
-        self._inflight: set[_Completion] = set()
+        # Launch-ordered completions not resolved yet. Two delivery paths can be live at once (host
+        # callbacks up to a failure, the waiter after it), so resolution is ordered here, on the
+        # loop, rather than trusted to whichever thread delivers first.
+        self._inflight: collections.deque[_Completion] = collections.deque()
         self._closed = False  # no new launches
         self._released = False  # threads joined
 
@@ -409,8 +428,9 @@ class CudaDeviceStream(DeviceStream):
         if self._released:
             return
         self._closed = True
-        drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._notify_when_reached(asyncio.get_running_loop(), drained, True, None, None)
+        loop = asyncio.get_running_loop()
+        drained: asyncio.Future[None] = loop.create_future()
+        self._notify_when_reached(loop, drained, True, None, None)
         await drained  # in-order delivery: every earlier handle is done now
         self.close()  # the stream is idle, so this does not block the loop
 
@@ -418,8 +438,8 @@ class CudaDeviceStream(DeviceStream):
                              ok: bool, value: Any, keepalive: object) -> None:
         event = torch.cuda.Event(blocking=True)
         event.record(self.stream)
-        completion = _Completion(loop, future, ok, value, (keepalive, event), self._inflight.discard)
-        self._inflight.add(completion)
+        completion = _Completion(loop, future, ok, value, (keepalive, event), self._arrived)
+        self._inflight.append(completion)
         if self._host_stream is not None:
             try:
                 self._host_stream.launch_host_func(_host_callback, completion)
@@ -430,6 +450,13 @@ class CudaDeviceStream(DeviceStream):
         if self._waiter is None:
             self._waiter = _EventWaiter(self.device.index)
         self._waiter.submit(event, completion)
+
+    def _arrived(self, completion: _Completion) -> None:
+        """A completion reached the loop: resolve it and every later one already here, in order."""
+        completion.arrived = True
+        inflight = self._inflight
+        while inflight and inflight[0].arrived:
+            inflight.popleft().resolve()
 
 
 # ---- selection ---------------------------------------------------------------------------------

@@ -33,3 +33,7 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class RequestTooLargeError(InvalidRequestError):
     """A request can never fit the KV pool, however empty the engine is."""
+
+
+class EngineUnhealthyError(EngineError):
+    """The engine lost an actor (or was never started) and cannot serve requests."""

@@ -8,6 +8,7 @@ under a timeout so a lost completion fails the test instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -50,19 +51,17 @@ async def test_results_fifo_and_resolve_in_order(cpu_stream: CpuDeviceStream) ->
         return i * i
 
     handles = [cpu_stream.launch(job, i) for i in range(5)]
-    woke: list[int] = []
 
     async def waiter(i: int) -> int:
         result = await handles[i]
         assert all(h.done() for h in handles[:i]), "a later handle resolved before an earlier one"
-        woke.append(i)
         return result
 
     async with asyncio.timeout(TIMEOUT):
         results = await asyncio.gather(*(waiter(i) for i in reversed(range(5))))
     assert results == [i * i for i in reversed(range(5))]
     assert ran == list(range(5))
-    assert woke == list(range(5))
+    assert [h.future.result() for h in handles] == [i * i for i in range(5)]
 
 
 async def test_launch_returns_before_work_and_loop_keeps_running(cpu_stream: CpuDeviceStream) -> None:
@@ -234,7 +233,13 @@ async def test_host_callback_resolves_from_foreign_thread_and_tolerates_closed_l
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
     kept: set[ds._Completion] = set()
-    completion = ds._Completion(loop, future, True, "done", keepalive=object(), on_settle=kept.discard)
+
+    def settle(c: ds._Completion) -> None:  # the owner's hook: it resolves, on the loop's thread
+        assert threading.current_thread() is threading.main_thread()
+        kept.discard(c)
+        c.resolve()
+
+    completion = ds._Completion(loop, future, True, "done", keepalive=object(), on_settle=settle)
     kept.add(completion)
     threading.Thread(target=ds._host_callback, args=(completion,)).start()  # like CUDA's callback thread
     async with asyncio.timeout(TIMEOUT):
@@ -244,6 +249,89 @@ async def test_host_callback_resolves_from_foreign_thread_and_tolerates_closed_l
     dead = asyncio.new_event_loop()
     dead.close()
     ds._host_callback(ds._Completion(dead, loop.create_future(), True, None))  # must not raise
+
+
+class _SimStream:
+    """A fake torch.cuda.Stream: work is already done when enqueued (the fake device is instant)."""
+
+    def __init__(self, device: object = None) -> None:
+        self.cuda_stream = 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _SimEvent(_FakeEvent):
+    def __init__(self, blocking: bool = False) -> None:
+        super().__init__(0.0)
+
+    def record(self, stream: object) -> None:
+        pass
+
+
+class _SimHostStream:
+    """Plays CUDA's host-function thread: one thread runs callbacks in order, a bit later; can fail."""
+
+    def __init__(self, fail_after: int) -> None:
+        self.fail_after, self.calls = fail_after, 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def launch_host_func(self, callback, arg) -> None:  # noqa: ANN001 - mirrors CuPy's signature
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise RuntimeError("cudaLaunchHostFunc failed")
+        self._queue.put((callback, arg))
+
+    def _run(self) -> None:
+        while True:
+            callback, arg = self._queue.get()
+            time.sleep(0.005)  # the handle is still pending when launch returns
+            callback(arg)
+
+
+@pytest.mark.parametrize("fail_after", [0, 2, 100], ids=["waiter-only", "host-func-then-waiter", "host-func"])
+async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.MonkeyPatch, fail_after: int) -> None:
+    """CudaDeviceStream's launch/ordering/fallback/close logic, with torch.cuda faked out."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _SimStream)
+    monkeypatch.setattr(torch.cuda, "Event", _SimEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    host = _SimHostStream(fail_after)
+    monkeypatch.setattr(ds, "_cupy_host_stream", lambda ptr, index: host if fail_after else None)
+
+    stream = make_device_stream("cuda")
+    assert isinstance(stream, CudaDeviceStream) and stream.device == torch.device("cuda", 0)
+    on_loop_thread: list[bool] = []
+
+    def enqueue(i: int) -> int:
+        on_loop_thread.append(threading.current_thread() is threading.main_thread())
+        if i == 1:
+            raise ValueError("enqueue failed")
+        return i
+
+    handles = [stream.launch(enqueue, i) for i in range(4)]
+    assert all(on_loop_thread), "CUDA launches must enqueue on the launching thread"
+    assert stream.uses_host_callbacks == (fail_after > 4)
+
+    async def waiter(i: int) -> None:
+        try:
+            assert await handles[i] == i
+        except ValueError:
+            assert i == 1  # the enqueue-time error is delivered in its place in the order
+        assert all(h.done() for h in handles[:i]), "a later handle resolved before an earlier one"
+
+    async with asyncio.timeout(TIMEOUT):
+        await asyncio.gather(*(waiter(i) for i in reversed(range(4))))
+        await stream.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.launch(enqueue, 0)
+    stream.close()  # idempotent
 
 
 # ---- CUDA stream on a real device ------------------------------------------------------------
@@ -274,7 +362,7 @@ async def test_cuda_stream_matmul_chain(monkeypatch: pytest.MonkeyPatch, host_ca
     try:
         async with asyncio.timeout(TIMEOUT):
             handle = stream.launch(forward, a)
-            assert not handle.done(), "launch waited for the device"
+            assert not stream.stream.query(), "launch waited for the device"
             failed = stream.launch(lambda: 1 / 0)  # an enqueue-time error resolves after `handle`
             ticks = await _tick_while_pending(handle)
             result = await handle

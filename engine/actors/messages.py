@@ -76,6 +76,15 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+class RegisterReq(msgspec.Struct, tag=True):
+    """Receiver -> OutputProcessor, before the request reaches the scheduler: how to detokenize it."""
+
+    rid: str
+    prompt_ids: list[int]  # the prompt's last few ids: context for the first token's leading space
+    skip_special_tokens: bool
+    stop_strs: list[str]
+
+
 class StreamDelta(msgspec.Struct):
     """One increment of one request's output, as the user sees it."""
 

@@ -73,6 +73,9 @@ class Scheduler:
         self.reqs_by_rid: dict[str, Req] = {}
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.epochs: dict[str, int] = {}
+        # Requests the scheduler itself ended while planning (never fit the pool): the owner
+        # reports them to the output side and clears the list (`take_self_aborted`).
+        self.self_aborted: list[Req] = []
         # stats
         self.num_retractions = 0
         self.hit_tokens = 0
@@ -216,8 +219,11 @@ class Scheduler:
         reqs = batch.reqs
         victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         batch.filter_batch([i for i, r in enumerate(reqs) if r is not victim])
-        if not batch.reqs and self.allocator.available_size() + self.tree_cache.evictable_size() < self.page_size:
+        # Alone and already holding (or needing) the whole pool: retracting it would only put its
+        # own KV into the tree, re-admit it on that prefix and retract it again, forever.
+        if not batch.reqs and victim.seqlen + self.page_size > self.allocator.size:
             self.abort_request(victim.rid, "the request does not fit in the KV cache pool")
+            self.self_aborted.append(victim)
             return victim
         self._release(victim)
         victim.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -226,6 +232,11 @@ class Scheduler:
         self.epochs[victim.rid] += 1
         self.waiting_queue.insert(0, victim)
         return victim
+
+    def take_self_aborted(self) -> list[Req]:
+        """Requests ended by the scheduler since the last call (to be reported to their clients)."""
+        reqs, self.self_aborted = self.self_aborted, []
+        return reqs
 
     def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
         reqs = list(batch.reqs)

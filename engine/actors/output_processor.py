@@ -1,0 +1,85 @@
+"""OutputProcessor: token ids in, user-visible text deltas out.
+
+Per request it keeps an incremental detokenizer (never emits broken UTF-8) and a stop-string
+matcher (holds back text that may be the start of a stop string; removes the stop string).
+Token-level finishes (EOS, stop ids, max tokens, aborts) come decided from the scheduler; a stop
+string is decided here, and the scheduler is told so it frees the request at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.actors.messages import BatchStrOut, BatchTokenOut, RegisterReq, StopStrMatched, StreamDelta
+from engine.actors.runtime import Actor
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass
+class _ReqState:
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher | None
+    completion_tokens: int = 0
+    finished: bool = False
+    logprobs: list[float] = field(default_factory=list)
+
+
+class OutputProcessor(Actor):
+    accepts = (RegisterReq, BatchTokenOut)
+
+    def __init__(self, tokenizer, receiver: Actor, dispatcher: Actor) -> None:
+        super().__init__("output_processor")
+        self.tokenizer = tokenizer
+        self.receiver = receiver
+        self.dispatcher = dispatcher
+        self.states: dict[str, _ReqState] = {}
+
+    async def handle(self, msg) -> None:
+        if isinstance(msg, RegisterReq):
+            self.states[msg.rid] = _ReqState(
+                IncrementalDetokenizer(self.tokenizer, msg.prompt_ids, msg.skip_special_tokens),
+                StopStringMatcher(msg.stop_strs) if msg.stop_strs else None,
+            )
+            return
+        deltas = [d for d in (self._one(msg, i) for i in range(len(msg.rids))) if d is not None]
+        if deltas:
+            self.receiver.send(BatchStrOut(deltas))
+
+    def _one(self, msg: BatchTokenOut, i: int) -> StreamDelta | None:
+        rid = msg.rids[i]
+        st = self.states.get(rid)
+        if st is None or st.finished:
+            return None  # unknown (never registered) or already ended by a stop string
+        tok, reason = msg.token_ids[i], msg.finish_reasons[i]
+        ids = [tok] if tok >= 0 else []
+        st.completion_tokens += len(ids)
+        # The token that ended a request by EOS / stop id is returned as an id but not as text.
+        text = st.detok.add(ids) if ids and not (reason == "stop" and msg.matched[i] == tok) else ""
+        matched_stop: int | str | None = msg.matched[i]
+        hit = None
+        if st.matcher is not None:
+            text, hit = st.matcher.push(text)
+        if reason is not None and hit is None:  # ending for another reason: release held text
+            tail = st.detok.flush()
+            if st.matcher is not None:
+                tail, hit = st.matcher.push(tail)
+                if hit is None:
+                    tail += st.matcher.flush()
+            text += tail
+        if hit is not None:
+            if reason is None:  # the scheduler does not know yet: it frees the request now
+                self.dispatcher.send(StopStrMatched(rid, hit))
+            reason, matched_stop = "stop", hit
+        if reason is not None:
+            st.finished = True
+            self.states.pop(rid, None)
+        if not ids and not text and reason is None:
+            return None
+        return StreamDelta(
+            rid=rid, text=text, token_ids=ids, finish_reason=reason,
+            error=msg.messages[i] if reason == "abort" else None,
+            prompt_tokens=msg.prompt_tokens[i], completion_tokens=st.completion_tokens,
+            cached_tokens=msg.cached_tokens[i], matched_stop=matched_stop,
+            logprobs=[msg.logprobs[i]] if msg.logprobs[i] is not None and ids else None,
+            top_logprobs=[msg.top_logprobs[i]] if msg.top_logprobs[i] is not None and ids else None,
+        )  # fmt: skip

@@ -1,0 +1,119 @@
+"""Receiver: the engine's front door and the end of its output pipeline.
+
+`submit()` runs in the caller's task: it validates sampling parameters, tokenizes text or chat
+messages with the model's chat template, registers the request's output stream, and forwards the
+tokenized request. Validation errors are raised right there, typed, so a caller (or the HTTP
+layer mapping them to 400) never waits on a request that was never going to run.
+Its mailbox receives text deltas (routed to the per-request streams) and control replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from typing import Any
+
+from engine.actors.messages import BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
+from engine.actors.runtime import Actor
+from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
+from engine.sampling import SamplingParams
+
+Prompt = str | list[int] | list[dict[str, Any]]
+DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
+
+
+class Receiver(Actor):
+    accepts = (BatchStrOut, ControlReply)
+
+    def __init__(self, tokenizer, vocab_size: int, context_len: int, pool_tokens: int) -> None:
+        super().__init__("receiver")
+        self.pool_tokens = pool_tokens
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.dispatcher: Actor | None = None
+        self.output: Actor | None = None
+        self.streams: dict[str, asyncio.Queue[StreamDelta]] = {}
+        self.pending: dict[int, asyncio.Future[ControlReply]] = {}
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", "prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise InvalidRequestError(f"token ids must lie in [0, {self.vocab_size})", "input_ids")
+            return list(prompt)
+        if all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+            try:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)  # fmt: skip
+            except Exception as e:  # a template error is the caller's bad input
+                raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
+            return list(ids)
+        raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", "prompt")
+
+    def submit(self, prompt: Prompt, params: SamplingParams, rid: str | None = None,
+               return_logprob: bool = False, top_logprobs_num: int = 0) -> tuple[str, asyncio.Queue[StreamDelta]]:  # fmt: skip
+        """Validate and enqueue one request; returns its rid and the queue its deltas arrive on."""
+        params.verify(self.vocab_size)
+        if not 0 <= top_logprobs_num <= 20:
+            raise InvalidRequestError("top_logprobs_num must be between 0 and 20", "top_logprobs")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.context_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(ids)} tokens, but the model's context length is {self.context_len}", "prompt"
+            )
+        if len(ids) >= self.pool_tokens:
+            raise RequestTooLargeError(
+                f"the prompt has {len(ids)} tokens but the KV cache pool holds only {self.pool_tokens}", "prompt"
+            )
+        rid = rid if rid is not None else f"req-{next(self._ids)}-{random.getrandbits(32):08x}"
+        if rid in self.streams:
+            raise InvalidRequestError(f"a request with rid {rid!r} is already running", "rid")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self.streams[rid] = queue
+        self.output.send(RegisterReq(rid, ids[-DETOKENIZE_CONTEXT:], params.skip_special_tokens, params.stop_strs))
+        self.dispatcher.send(TokenizedGenerateReq(rid, ids, params, seed, return_logprob or top_logprobs_num > 0,
+                                                  top_logprobs_num))  # fmt: skip
+        return rid, queue
+
+    async def control(self, make_msg, timeout: float = 30.0) -> ControlReply:
+        """Send a control message built by `make_msg(reply_id)` and await its reply."""
+        reply_id = next(self._ids)
+        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self.pending[reply_id] = fut
+        try:
+            self.dispatcher.send(make_msg(reply_id))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.pending.pop(reply_id, None)
+
+    async def handle(self, msg) -> None:
+        if isinstance(msg, ControlReply):
+            fut = self.pending.get(msg.reply_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        for delta in msg.deltas:
+            queue = self.streams.get(delta.rid)
+            if queue is None:
+                continue  # the consumer went away
+            queue.put_nowait(delta)
+            if delta.finish_reason is not None:
+                self.streams.pop(delta.rid, None)
+
+    def fail_all(self, message: str) -> None:
+        """End every open stream with an error (the engine lost a stage)."""
+        for rid, queue in list(self.streams.items()):
+            queue.put_nowait(StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", error=message))
+        self.streams.clear()
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))

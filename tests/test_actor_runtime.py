@@ -1,0 +1,460 @@
+"""Actor runtime: typed mailboxes, lifecycle, crash supervision, recv_or, msgpack codec.
+
+Every test body runs under `asyncio.timeout` so a runtime bug fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import pytest
+
+from engine.actors.runtime import (
+    Actor,
+    ActorState,
+    ActorStats,
+    ActorStoppedError,
+    ActorSystem,
+    mailbox_codec,
+)
+
+T = 5.0  # per-test ceiling, seconds
+
+
+class Ping(msgspec.Struct, tag=True):
+    n: int
+
+
+class Pong(msgspec.Struct, tag=True):
+    n: int
+
+
+class Boom(msgspec.Struct, tag="boom"):
+    why: str = "asked to"
+
+
+class Untagged(msgspec.Struct):
+    n: int
+
+
+class Recorder(Actor):
+    """Records what it handles; crashes on Boom."""
+
+    accepts = (Ping, Boom)
+
+    def __init__(self, name: str | None = None, delay: float = 0.0) -> None:
+        super().__init__(name)
+        self.seen: list[int] = []
+        self.events: list[str] = []
+        self.crashes: list[BaseException] = []
+        self.delay = delay
+        self.stopped = asyncio.Event()
+
+    async def on_start(self) -> None:
+        self.events.append("start")
+
+    async def handle(self, msg: msgspec.Struct) -> None:
+        if isinstance(msg, Boom):
+            raise RuntimeError(msg.why)
+        assert isinstance(msg, Ping)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        self.seen.append(msg.n)
+
+    async def on_stop(self) -> None:
+        self.events.append(f"stop after {len(self.seen)}")
+        self.stopped.set()
+
+    async def on_crash(self, exc: BaseException) -> None:
+        assert self.error is exc
+        self.crashes.append(exc)
+
+
+async def wait_until(cond, step: float = 0.001) -> None:
+    while not cond():
+        await asyncio.sleep(step)
+
+
+async def test_wrong_type_fails_at_sender() -> None:
+    a = Recorder("rec")
+    with pytest.raises(TypeError, match=r"'rec' accepts \[Ping, Boom\], not Pong"):
+        a.send(Pong(1))
+    with pytest.raises(TypeError, match="not Untagged"):
+        a.send(Untagged(1))  # type: ignore[arg-type]
+    assert a.depth == 0
+
+
+def test_bad_accepts_rejected_at_class_definition() -> None:
+    with pytest.raises(TypeError, match="not a tagged Struct"):
+
+        class _A(Actor):
+            accepts = (Ping, Untagged)
+
+    with pytest.raises(TypeError, match="not a msgspec.Struct"):
+
+        class _B(Actor):
+            accepts = (int,)  # type: ignore[assignment]
+
+    class Other(msgspec.Struct, tag="Ping"):  # same tag as Ping: the union could not decode
+        x: str
+
+    with pytest.raises(TypeError, match="unique `tag`"):
+
+        class _C(Actor):
+            accepts = (Ping, Other)
+
+
+async def test_delivery_order_and_stats() -> None:
+    async with asyncio.timeout(T):
+        a = Recorder("rec")
+        for i in range(5):
+            a.send(Ping(i))  # queued before start: handled once started
+        a.start()
+        for i in range(5, 500):
+            a.send(Ping(i))
+        await wait_until(lambda: len(a.seen) == 500)
+        assert a.seen == list(range(500))
+        st = a.stats()
+        assert isinstance(st, ActorStats)
+        assert (st.name, st.state, st.received, st.depth, st.error) == ("rec", "running", 500, 0, None)
+        msgspec.json.encode(st)  # internal-state endpoint can serve it as-is
+        await a.stop()
+
+
+async def test_start_twice_is_an_error() -> None:
+    async with asyncio.timeout(T):
+        a = Recorder()
+        a.start()
+        with pytest.raises(RuntimeError, match="cannot start"):
+            a.start()
+        await a.stop()
+        with pytest.raises(RuntimeError, match="cannot start"):
+            a.start()
+
+
+async def test_stop_processes_pending_then_stops() -> None:
+    async with asyncio.timeout(T):
+        a = Recorder(delay=0.001)
+        a.start()
+        for i in range(50):
+            a.send(Ping(i))
+        await a.stop(timeout=T)
+        assert a.seen == list(range(50))
+        assert a.events == ["start", "stop after 50"]
+        assert not a.running and a.state is ActorState.STOPPED and a.error is None
+        with pytest.raises(ActorStoppedError, match="stopped"):
+            a.send(Ping(99))
+
+
+async def test_sends_fail_while_stopping() -> None:
+    async with asyncio.timeout(T):
+        a = Recorder(delay=0.01)
+        a.start()
+        a.send(Ping(0))
+        stopping = asyncio.create_task(a.stop(timeout=T))
+        await asyncio.sleep(0)
+        assert a.stopping
+        with pytest.raises(ActorStoppedError, match="stopping"):
+            a.send(Ping(1))
+        await stopping
+        assert a.seen == [0]
+
+
+class Wedged(Actor):
+    accepts = (Ping,)
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self.entered = asyncio.Event()
+        self.cancelled = False
+
+    async def handle(self, msg: msgspec.Struct) -> None:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()  # never set
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+async def test_stop_of_wedged_actor_cancels_within_timeout() -> None:
+    async with asyncio.timeout(T):
+        a = Wedged()
+        a.start()
+        a.send(Ping(1))
+        await a.entered.wait()
+        t0 = time.monotonic()
+        await a.stop(timeout=0.1)
+        assert time.monotonic() - t0 < 1.0
+        assert a.cancelled and not a.running and a.state is ActorState.STOPPED
+
+
+async def test_stop_all_reverse_order_finishes_with_wedged_actor() -> None:
+    async with asyncio.timeout(T):
+        order: list[str] = []
+
+        class Tracked(Recorder):
+            async def on_stop(self) -> None:
+                order.append(self.name)
+
+        sysm = ActorSystem(stop_timeout=0.1)
+        first, wedged, last = Tracked("first"), Wedged("wedged"), Tracked("last")
+        for a in (first, wedged, last):
+            sysm.add(a)
+        sysm.start_all()
+        wedged.send(Ping(0))
+        await wedged.entered.wait()
+        t0 = time.monotonic()
+        await sysm.stop_all()
+        assert time.monotonic() - t0 < 2.0
+        assert order == ["last", "first"]
+        assert not any(a.running for a in sysm.actors)
+        assert sysm.healthy  # a stop timeout is not a crash
+
+
+async def test_crash_marks_unhealthy_calls_on_crash_and_rejects_sends(caplog) -> None:
+    async with asyncio.timeout(T):
+        reported: list[tuple[str, BaseException]] = []
+        crashed = asyncio.Event()
+
+        def on_crash(name: str, exc: BaseException) -> None:
+            reported.append((name, exc))
+            crashed.set()
+
+        sysm = ActorSystem(on_crash=on_crash)
+        a = sysm.add(Recorder("victim"))
+        assert isinstance(a, Recorder)
+        sysm.start_all()
+        assert sysm.healthy
+        with caplog.at_level(logging.ERROR, logger="engine.actors.runtime"):
+            a.send(Ping(1))
+            a.send(Boom("bad input"))
+            await crashed.wait()
+        assert not sysm.healthy
+        assert [type(e) for e in a.crashes] == [RuntimeError]
+        exc = a.crashes[0]
+        assert str(exc) == "bad input" and a.error is exc
+        assert reported == [("victim", exc)] and sysm.crashed == [("victim", exc)]
+        assert a.state is ActorState.CRASHED and not a.running
+        assert "'victim' crashed" in caplog.text and "bad input" in caplog.text
+        with pytest.raises(ActorStoppedError, match="victim.*crashed.*bad input") as ei:
+            a.send(Ping(2))
+        assert ei.value.cause is exc
+        assert a.seen == [1] and "stop after 1" not in a.events  # on_stop is for clean stops
+        await sysm.stop_all()  # stopping a crashed actor is a no-op, not a hang
+
+
+async def test_crash_in_on_start_is_a_crash() -> None:
+    async with asyncio.timeout(T):
+
+        class BadStart(Recorder):
+            async def on_start(self) -> None:
+                raise ValueError("no device")
+
+        crashed = asyncio.Event()
+        sysm = ActorSystem(on_crash=lambda n, e: crashed.set())
+        a = sysm.add(BadStart())
+        sysm.start_all()
+        await crashed.wait()
+        assert isinstance(a.error, ValueError) and not sysm.healthy
+
+
+async def test_restart_keeps_mailbox_and_respects_max() -> None:
+    async with asyncio.timeout(T):
+        crashes = 0
+
+        def on_crash(name: str, exc: BaseException) -> None:
+            nonlocal crashes
+            crashes += 1
+
+        sysm = ActorSystem(on_crash=on_crash)
+        a = sysm.add(Recorder("flaky"), restart_policy="restart", max_restarts=2)
+        assert isinstance(a, Recorder)
+        # Queued before start: each Boom kills the task; the Pings behind it must survive.
+        for m in (Ping(0), Boom(), Ping(1), Boom(), Ping(2)):
+            a.send(m)
+        sysm.start_all()
+        await wait_until(lambda: a.seen == [0, 1, 2])
+        assert a.running and sysm.healthy and crashes == 2
+        assert a.events == ["start", "start", "start"]  # a fresh on_start per task
+        assert a.stats().restarts == 2 and len(sysm.crashed) == 2
+        a.send(Boom("third"))  # restarts used up
+        await wait_until(lambda: crashes == 3)
+        assert not sysm.healthy and a.state is ActorState.CRASHED
+        with pytest.raises(ActorStoppedError):
+            a.send(Ping(3))
+        await sysm.stop_all()
+
+
+class Step(msgspec.Struct, tag=True):
+    """Asks the scheduler to wait on a fresh 'device' future."""
+
+
+class Scheduler(Actor):
+    """Owns its loop: wakes on a new message or when the pending device step finishes."""
+
+    accepts = (Ping, Step)
+
+    def __init__(self) -> None:
+        super().__init__("sched")
+        self.device: asyncio.Future[str] | None = None
+        self.log: list[tuple[object, bool]] = []
+        self.wakes = 0
+        self.changed = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            if self.device is None:
+                msg, done = await self.recv(), False
+            else:
+                msg, done = await self.recv_or(self.device)
+            self.wakes += 1
+            if isinstance(msg, Step):
+                self.device = asyncio.get_running_loop().create_future()
+            elif msg is not None:
+                self.log.append((msg.n, done))
+            if done:
+                assert self.device is not None
+                self.log.append((self.device.result(), True))
+                self.device = None
+            self.changed.set()
+
+
+async def test_recv_or_wakes_on_future_and_on_message_without_loss() -> None:
+    async with asyncio.timeout(T):
+        s = Scheduler()
+        s.start()
+
+        async def settle() -> None:
+            await s.changed.wait()
+            s.changed.clear()
+
+        s.send(Step())
+        await settle()
+        assert s.device is not None and not s.device.done()
+
+        s.send(Ping(1))  # message wins; the device future is left pending, not cancelled
+        await settle()
+        assert s.log == [(1, False)] and s.device is not None and not s.device.cancelled()
+
+        s.device.set_result("step-1")  # the future wins with an empty mailbox
+        await settle()
+        assert s.log == [(1, False), ("step-1", True)] and s.device is None
+
+        # Both ready at once: the message is returned and done=True, so neither is lost.
+        s.send(Step())
+        await settle()
+        wakes = s.wakes
+        await asyncio.sleep(0.05)
+        assert s.wakes == wakes  # idle while waiting: no polling wake-ups
+        s.device.set_result("step-2")
+        s.send(Ping(2))
+        await settle()
+        assert s.log[-2:] == [(2, True), ("step-2", True)]
+        await s.stop(timeout=T)
+        assert s.state is ActorState.STOPPED
+
+
+async def test_recv_or_rejects_bare_coroutine() -> None:
+    async with asyncio.timeout(T):
+        errors: list[BaseException] = []
+
+        class Bad(Actor):
+            accepts = (Ping,)
+
+            async def run(self) -> None:
+                coro = asyncio.sleep(0)
+                try:
+                    await self.recv_or(coro)  # type: ignore[arg-type]
+                except TypeError as e:
+                    errors.append(e)
+                finally:
+                    coro.close()
+
+        b = Bad()
+        b.start()
+        await b.stop(timeout=T)
+        assert errors and "Future or Task" in str(errors[0])
+
+
+async def test_drain_and_recv_nowait() -> None:
+    async with asyncio.timeout(T):
+        got: list[list[int]] = []
+        go = asyncio.Event()
+
+        class Batcher(Actor):
+            accepts = (Ping,)
+
+            async def run(self) -> None:
+                assert self.recv_nowait() is None and self.drain() == []
+                await go.wait()
+                first = self.recv_nowait()
+                assert isinstance(first, Ping)
+                got.append([first.n] + [m.n for m in self.drain()])
+                await self.recv()  # stop() unwinds this once the mailbox is empty
+
+        b = Batcher()
+        b.start()
+        await asyncio.sleep(0)
+        for i in range(4):
+            b.send(Ping(i))
+        go.set()
+        await wait_until(lambda: bool(got))
+        assert got == [[0, 1, 2, 3]] and b.stats().received == 4
+        await b.stop(timeout=T)
+        assert b.state is ActorState.STOPPED
+
+
+def test_msgpack_round_trip_of_a_three_type_union() -> None:
+    enc, dec = mailbox_codec((Ping, Pong, Boom))
+    msgs = [Ping(1), Pong(2), Boom("x"), Ping(3)]
+    out = [dec.decode(enc.encode(m)) for m in msgs]
+    assert out == msgs and [type(m) for m in out] == [Ping, Pong, Boom, Ping]
+    with pytest.raises(TypeError, match="not a tagged Struct"):
+        mailbox_codec((Ping, Untagged))
+
+
+class Player(Actor):
+    accepts = (Ping, Pong)
+
+    def __init__(self, name: str, rounds: int) -> None:
+        super().__init__(name)
+        self.peer: Player | None = None
+        self.rounds = rounds
+        self.done = asyncio.Event()
+
+    async def handle(self, msg: msgspec.Struct) -> None:
+        assert self.peer is not None and isinstance(msg, (Ping, Pong))
+        if msg.n >= self.rounds:
+            self.done.set()
+            return
+        reply = Pong(msg.n + 1) if isinstance(msg, Ping) else Ping(msg.n + 1)
+        self.peer.send(reply)
+
+
+async def test_ping_pong_between_actors() -> None:
+    async with asyncio.timeout(T):
+        n = 2000
+        sysm = ActorSystem()
+        a, b = Player("a", n), Player("b", n)
+        a.peer, b.peer = b, a
+        sysm.add(a)
+        sysm.add(b)
+        sysm.start_all()
+        a.send(Ping(0))
+        await b.done.wait() if n % 2 else await a.done.wait()
+        assert a.stats().received + b.stats().received == n + 1
+        await sysm.stop_all()
+        assert sysm.healthy and sysm.crashed == []
+
+
+def test_system_rejects_duplicate_names() -> None:
+    sysm = ActorSystem()
+    sysm.add(Recorder("x"))
+    with pytest.raises(ValueError, match="already"):
+        sysm.add(Recorder("x"))
+    with pytest.raises(ValueError, match="restart_policy"):
+        sysm.add(Recorder("y"), restart_policy="always")  # type: ignore[arg-type]
