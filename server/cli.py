@@ -1,0 +1,134 @@
+"""Command line: flags named as SGLang's `launch_server` names them, split into the engine's
+options (`Engine(**options)`, i.e. `engine.server_args.ServerArgs`) and the HTTP layer's
+`ServerConfig`.
+
+Nothing heavy is imported here: `--help` and a bad flag answer in a fraction of a second. An
+engine option the user did not give is left out, so `ServerArgs` keeps its own default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+from server.config import ServerConfig
+
+# Mirrors engine.actors.prefill_adder.SchedulePolicy.POLICIES (importing it would import torch).
+SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
+# SGLang's dtype spellings; the engine knows the canonical ones.
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}  # fmt: skip
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (no usage dump), exit status 2 as argparse does."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m server", description="Serve an LLM over an OpenAI-compatible and SGLang-native "
+                "HTTP API (plus WebSocket streaming and Prometheus metrics).")  # fmt: skip
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default="smollm2-135m",
+                   help="'smollm2-135m' (the bundled default), a Hugging Face model folder, or a .gguf file")
+    g.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model path)")
+    g.add_argument("--context-length", type=_positive_int,
+                   help="maximum tokens per sequence (default: the model's max_position_embeddings)")
+    g.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype (default: auto = bfloat16)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: auto = cuda if present)")
+    g = p.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=_port, default=30000, help="port to listen on (default: 30000)")
+    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health* and /metrics")
+    g.add_argument("--enable-metrics", action="store_true", help="expose Prometheus metrics at GET /metrics")
+    g.add_argument("--max-queued-requests", type=_non_negative_int,
+                   help="generations that may wait beyond --max-running-requests; more get 503 (default: no limit)")
+    g.add_argument("--max-body-size", type=_positive_int, default=ServerConfig.max_body_size,
+                   help=f"largest request body in bytes; larger ones get 413 (default: {ServerConfig.max_body_size})")
+    g.add_argument("--graceful-shutdown-timeout", type=_positive_float, default=ServerConfig.graceful_shutdown_timeout,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    g.add_argument("--health-check-timeout", type=_positive_float, default=ServerConfig.health_check_timeout,
+                   help="seconds GET /health_generate waits for its token before answering 503 (default: %(default)s)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
+    g = p.add_argument_group("scheduling and memory")
+    g.add_argument("--max-running-requests", type=_positive_int, help="requests decoded together (default: 128)")
+    g.add_argument("--max-total-tokens", type=_positive_int,
+                   help="KV cache pool size in tokens; overrides --mem-fraction-static")
+    g.add_argument("--mem-fraction-static", type=_fraction,
+                   help="share of free memory given to the KV cache pool (default: 0.1)")
+    g.add_argument("--max-prefill-tokens", type=_positive_int,
+                   help="token budget of one prefill batch (default: 16384)")
+    g.add_argument("--chunked-prefill-size", type=int,
+                   help="split long prompts into chunks of this many tokens; -1 disables (default: 2048)")
+    g.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default: 1)")
+    g.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
+                   help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random")
+    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="process each batch's results before planning the next (no CPU/device overlap)")
+    g.add_argument("--torch-threads", type=_positive_int,
+                   help="torch threads of the forward thread (default: torch's)")
+    return p
+
+
+# CLI dest -> ServerArgs field, for the options passed straight through.
+_ENGINE_OPTIONS = ("context_length", "device", "max_running_requests", "max_total_tokens", "mem_fraction_static",
+                   "max_prefill_tokens", "chunked_prefill_size", "page_size", "schedule_policy", "torch_threads")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerConfig]:
+    """Parse the command line into (engine options, server config); exits 2 on a bad flag."""
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
+    if ns.dtype is not None:
+        engine["dtype"] = DTYPES[ns.dtype]
+    if ns.disable_radix_cache:
+        engine["disable_radix_cache"] = True
+    if ns.disable_overlap_schedule:
+        engine["enable_overlap"] = False
+    config = ServerConfig(
+        model_path=ns.model_path, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+        api_key=ns.api_key, enable_metrics=ns.enable_metrics, max_queued_requests=ns.max_queued_requests,
+        max_body_size=ns.max_body_size, graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        health_check_timeout=ns.health_check_timeout, log_level=ns.log_level,
+    )  # fmt: skip
+    return engine, config

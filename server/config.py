@@ -1,0 +1,36 @@
+"""Options of the HTTP layer itself (the engine's own options live in `engine.server_args`).
+
+Kept free of heavy imports so that `python -m server --help` and flag errors answer at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    model_path: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None  # default: model_path, as SGLang does
+    api_key: str | None = None  # when set, every endpoint but /health* and /metrics needs it
+    enable_metrics: bool = False  # /metrics exists only when enabled, as in SGLang
+    # Generations admitted beyond max_running_requests before new ones get 503 (None: no limit).
+    max_queued_requests: int | None = None
+    max_body_size: int = 32 * 2**20  # bytes; larger request bodies get 413
+    graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    health_check_timeout: float = 20.0  # seconds /health_generate waits for its one token
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must use in `model` (and that responses report)."""
+        return self.served_model_name or self.model_path
+
+    def public(self) -> dict[str, object]:
+        """The config as /get_server_info shows it: never the API key itself."""
+        out = dict(self.__dict__)
+        out["api_key"] = "<set>" if self.api_key else None
+        out["served_model_name"] = self.model_name
+        return out

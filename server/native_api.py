@@ -1,0 +1,196 @@
+"""SGLang-native endpoints: /generate, /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache, /abort_request.
+
+Shapes follow SGLang so its clients work unchanged: /generate answers
+`{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", ...}, "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency"}}` (a list for a batch or n > 1), and its
+stream sends the *cumulative* text and ids in every event (SGLang's default), then [DONE]. An
+aborted generation is a normal answer here with `finish_reason.type == "abort"`, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.actors.messages import StreamDelta
+from engine.sampling import SamplingParams
+from server.errors import ApiError, decode, unavailable
+from server.generation import GenerationGroup, GenSpec, Output
+from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
+from server.sse import open_sse, send_done, send_event
+from server.state import STATE
+
+VERSION = "0.1.0"
+MAX_N = 128  # generations one request may ask for (n), as OpenAI caps it
+
+
+def finish_reason_obj(d: StreamDelta | None) -> dict[str, Any] | None:
+    """SGLang's finish_reason object: {"type": "stop", "matched": ...} / "length" / "abort"."""
+    if d is None or d.finish_reason is None:
+        return None
+    if d.finish_reason == "stop":
+        return {"type": "stop", "matched": d.matched_stop}
+    if d.finish_reason == "length":
+        return {"type": "length", "length": d.completion_tokens}
+    return {"type": "abort", "message": d.error}
+
+
+def meta_info(rid: str, d: StreamDelta | None, start: float, lps: list[float] | None = None,
+              tops: list | None = None, ids: list[int] | None = None) -> MetaInfo:  # fmt: skip
+    token_lps = [(lp, t, None) for lp, t in zip(lps, ids)] if lps is not None and ids is not None else None
+    top = [[(lp, t, None) for t, lp in row] for row in tops] if tops is not None else None
+    return MetaInfo(rid, finish_reason_obj(d), d.prompt_tokens if d else 0, d.completion_tokens if d else 0,
+                    d.cached_tokens if d else 0, time.perf_counter() - start, token_lps, top)  # fmt: skip
+
+
+def parse_generate(req: GenerateRequest) -> tuple[list[GenSpec], bool]:
+    """The generations a /generate (or WebSocket) request asks for, and whether it was a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", param="text")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts: list[Any] = list(req.text) if batch else [req.text]
+    else:
+        ids = req.input_ids
+        batch = bool(ids) and all(isinstance(x, list) for x in ids)
+        if not batch and not all(isinstance(x, int) for x in ids):
+            raise ApiError(400, "input_ids must be a list of token ids or a list of such lists", param="input_ids")
+        prompts = list(ids) if batch else [ids]
+    if batch and not prompts:
+        raise ApiError(400, "the batch is empty", param="text" if req.text is not None else "input_ids")
+    sp = req.sampling_params or SamplingParams()
+    n = sp.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
+    rids: list[str | None]
+    if isinstance(req.rid, list):
+        if len(req.rid) != len(prompts):
+            raise ApiError(400, f"rid has {len(req.rid)} entries for {len(prompts)} prompts", param="rid")
+        rids = list(req.rid)
+    else:
+        rids = [req.rid] * len(prompts)
+    specs = []
+    for p, r in zip(prompts, rids):
+        for j in range(n):
+            seed = None if sp.seed is None else sp.seed + j
+            params = msgspec.structs.replace(sp, n=1, seed=seed)
+            rid = r if r is None or n == 1 else f"{r}-{j}"
+            specs.append(GenSpec(p, params, rid, req.return_logprob, req.top_logprobs_num))
+    return specs, batch or n > 1
+
+
+def _response(spec: GenSpec, out: Output, start: float, index: int | None) -> GenerateResponse:
+    lps = out.logprobs if spec.return_logprob or spec.top_logprobs_num else None
+    tops = out.top_logprobs if spec.top_logprobs_num else None
+    rid = out.last.rid if out.last else (spec.rid or "")
+    return GenerateResponse(out.full_text, out.token_ids, meta_info(rid, out.last, start, lps, tops, out.token_ids),
+                            index)  # fmt: skip
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = decode(await request.read(), GenerateRequest)
+    specs, many = parse_generate(req)
+    start = time.perf_counter()
+    group = GenerationGroup(state, specs)
+    if not req.stream:
+        async with group:
+            outs = await group.collect()
+        res = [_response(s, o, start, i if many else None) for i, (s, o) in enumerate(zip(specs, outs))]
+        return web.json_response(body=msgspec.json.encode(res if many else res[0]))
+    outs = [Output() for _ in specs]
+    async with group:
+        resp = await open_sse(request)
+        try:
+            async for i, d in group:
+                outs[i].add(d)
+                await send_event(resp, _response(specs[i], outs[i], start, i if many else None))
+            await send_done(resp)
+        except ConnectionResetError:
+            pass  # the client left; leaving the group aborts what still runs
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining or not state.engine.healthy:
+        raise unavailable("the server is shutting down" if state.draining else "the engine is unhealthy")
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Healthy only if the engine produces a token in time (SGLang's deep health check)."""
+    state = request.app[STATE]
+    group = GenerationGroup(state, [GenSpec("ping", SamplingParams(max_new_tokens=1, temperature=0.0))])
+    try:
+        async with asyncio.timeout(state.config.health_check_timeout):
+            async with group:
+                outs = await group.collect()
+    except TimeoutError:
+        timeout = state.config.health_check_timeout
+        raise unavailable(f"no token within {timeout}s", code="health_check_timeout") from None
+    last = outs[0].last
+    if last is None or last.finish_reason == "abort" or not state.engine.healthy:
+        raise unavailable(f"health generation failed: {last.error if last else 'no output'}", code="engine_unhealthy")
+    return web.Response(text="")
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    runner, cfg = state.engine.runner, state.config
+    return web.json_response({
+        "model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "served_model_name": cfg.model_name,
+        "is_generation": True, "architecture": runner.model_config.architecture,
+        "context_length": runner.context_len, "vocab_size": runner.model_config.vocab_size,
+        "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device),
+    })  # fmt: skip
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine_state = await state.engine.get_internal_state()
+    info = {**dataclasses.asdict(state.engine.args), **state.config.public(), "version": VERSION,
+            "inflight_generations": state.inflight, "internal_states": [engine_state]}  # fmt: skip
+    return web.json_response(body=msgspec.json.encode(info))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    # Right after the last request ends (an abort, say) the scheduler may still be finishing the
+    # step it had in flight and refuses; wait that out, but not real work.
+    for _ in range(100):
+        if await engine.flush_cache():
+            return web.json_response({"success": True, "message": "Cache flushed."})
+        st = await engine.get_internal_state()
+        if st["running_requests"] or st["waiting_requests"]:
+            break
+        await asyncio.sleep(0.01)
+    raise ApiError(400, "cannot flush the cache while requests are running", code="requests_running")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """Abort a request by rid (the `rid` given to /generate; OpenAI requests use '<id>-<choice>')."""
+    state = request.app[STATE]
+    req = decode(await request.read(), AbortRequest)
+    await state.engine.abort(req.rid)
+    return web.json_response({"success": True})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, get_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, get_server_info)
+    r.add_post("/flush_cache", flush_cache)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)

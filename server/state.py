@@ -1,0 +1,77 @@
+"""What every handler shares: the engine, the config, the metrics, and admission control.
+
+Admission is counted here, in the HTTP layer, because it must answer synchronously: a request
+over the queue limit gets its 503 before anything reaches the engine. The limit counts engine
+generations (a request with n=4 takes 4): `max_running_requests` of them run, and at most
+`max_queued_requests` more may wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from functools import lru_cache
+
+from aiohttp import web
+
+from engine import Engine
+from server.config import ServerConfig
+from server.errors import ApiError, unavailable
+from server.metrics import Metrics
+
+
+class ServerState:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics(config.model_name)
+        self.engine_started_at = time.time()
+        self.draining = False  # set on shutdown: new generations get 503, running ones finish
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        q = config.max_queued_requests
+        self.max_inflight = None if q is None else engine.args.max_running_requests + q
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    @property
+    def context_len(self) -> int:
+        return self.engine.runner.context_len
+
+    def admit(self, n: int) -> Callable[[], None]:
+        """Reserve room for `n` generations or raise a 503; returns the (idempotent) release."""
+        if self.draining:
+            raise unavailable("the server is shutting down", code="shutting_down")
+        if not self.engine.healthy:
+            raise unavailable("the engine is unhealthy", code="engine_unhealthy")
+        if self.max_inflight is not None and self.inflight + n > self.max_inflight:
+            raise unavailable(
+                f"the request queue is full ({self.inflight} generations in flight, at most "
+                f"{self.config.max_queued_requests} may queue); retry later", code="queue_full",
+            )  # fmt: skip
+        self.inflight += n
+        self.idle.clear()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight -= n
+                if self.inflight == 0:
+                    self.idle.set()
+
+        return release
+
+    def check_model(self, model: str | None) -> None:
+        """OpenAI requests name a model: it must be the one we serve (its served name or path)."""
+        if model is not None and model not in (self.config.model_name, self.config.model_path):
+            raise ApiError(400, f"the model {model!r} does not exist; this server serves "
+                           f"{self.config.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)

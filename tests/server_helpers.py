@@ -1,0 +1,173 @@
+"""Shared setup for the server tests: a tiny random Llama with the real SmolLM2 tokenizer, and
+a real `python -m server` subprocess on a free loopback port.
+
+The server runs in its own process (its own event loop, like production), so the sync openai
+client and aiohttp clients in the tests talk to it over TCP exactly as users do. Its output goes
+to a log file (a pipe nobody reads would fill up and block it); the tail is shown on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 180  # the default model's GGUF tokenizer alone takes ~15 s on a busy 2-core box
+_tiny_cache: dict[str, str] = {}
+
+
+def build_tiny_folder(folder: Path, tokenizer) -> str:
+    """A 2-layer random Llama saved as a Hugging Face folder with the real tokenizer (as
+    tests/test_engine.py's fixture builds it): fast, and every text path is real."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    """Built once per test process, whichever module asks first."""
+    if "dir" not in _tiny_cache:
+        _tiny_cache["dir"] = build_tiny_folder(tmp_path_factory.mktemp("server-tiny"), default_tokenizer)
+    return _tiny_cache["dir"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    return env
+
+
+class ServerProcess:
+    """`python -m server ...` on a free port; `start()` returns once /health answers 200."""
+
+    def __init__(self, model: str, *args: str, log_dir: Path, dtype: str = "float32") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self.cmd = [sys.executable, "-m", "server", "--model-path", model, "--port", str(self.port),
+                    "--dtype", dtype, "--torch-threads", "1", "--device", "cpu", *args]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> ServerProcess:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready within {timeout}s:\n{self.log_tail()}")
+
+    def start(self) -> ServerProcess:
+        return self.launch().wait_ready()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+        return self.proc.returncode
+
+
+def get_json(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> dict:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+async def wait_clean(session, url: str, headers: dict[str, str] | None = None, timeout: float = 60) -> dict:
+    """Once idle, the engine's memory invariant must hold: every KV slot free or evictable."""
+    async with asyncio.timeout(timeout):
+        while True:
+            async with session.get(url + "/get_server_info", headers=headers) as r:
+                assert r.status == 200, await r.text()
+                st = (await r.json())["internal_states"][0]
+            if st["running_requests"] == 0 and st["waiting_requests"] == 0 and st["protected_tokens"] == 0:
+                break
+            await asyncio.sleep(0.02)
+    assert st["available_tokens"] + st["evictable_tokens"] == st["total_tokens"], st
+    assert st["protected_tokens"] == 0, st
+    assert st["memory_errors"] == [], st["memory_errors"]
+    return st
+
+
+_shared: dict[str, ServerProcess] = {}
+
+
+def shared_server(request, key: str, model: str, *args: str) -> ServerProcess:
+    """One server per `key` for the whole test process, whichever module asks first; stopped at
+    session end. (A fixture imported into several modules would start one per module.)"""
+    if key not in _shared:
+        log_dir = request.config._tmp_path_factory.mktemp("server-logs")  # type: ignore[attr-defined]
+        srv = ServerProcess(model, *args, log_dir=log_dir)
+        request.config.add_cleanup(srv.stop)
+        _shared[key] = srv.start()
+    srv = _shared[key]
+    if srv.proc.poll() is not None:
+        raise RuntimeError(f"shared server {key} died:\n{srv.log_tail()}")
+    return srv
+
+
+TINY_ARGS = ("--max-total-tokens", "16384", "--max-running-requests", "32")
+
+
+@pytest.fixture
+def tiny_server(request, tiny_model_dir) -> ServerProcess:
+    """The tiny model behind a server with metrics on: native, WebSocket and metrics tests."""
+    return shared_server(request, "tiny-metrics", tiny_model_dir, *TINY_ARGS, "--enable-metrics")
