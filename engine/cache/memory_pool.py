@@ -65,8 +65,9 @@ class TokenToKVPoolAllocator:
         self.clear()
 
     def clear(self) -> None:
-        # Free pages kept as a Python list: allocation sizes are small and lists pop in O(1).
-        self._free_pages: list[int] = list(range(1, self.num_pages))
+        # Free pages as a stack (next page at the end): taking or returning n pages costs O(n),
+        # never O(pool), which a slice of the list's head would (and did: decode slowed with size).
+        self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
 
     def available_size(self) -> int:
         return len(self._free_pages) * self.page_size
@@ -78,7 +79,10 @@ class TokenToKVPoolAllocator:
         n_pages = -(-need // self.page_size)
         if n_pages > len(self._free_pages):
             return None
-        pages, self._free_pages = self._free_pages[:n_pages], self._free_pages[n_pages:]
+        if n_pages == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        pages = self._free_pages[-n_pages:][::-1]
+        del self._free_pages[-n_pages:]
         if self.page_size == 1:
             return torch.tensor(pages, dtype=torch.int64, device=self.device)
         base = torch.tensor(pages, dtype=torch.int64, device=self.device) * self.page_size
