@@ -22,14 +22,9 @@ from engine.server_args import ServerArgs
 TINY_VOCAB = 512
 
 
-def make_tiny_llama(folder: Path) -> Path:
-    """A 2-layer random Llama whose logits are far from uniform (so greedy is not tie-prone)."""
+def save_random_llama(folder: Path, cfg: LlamaConfig) -> Path:
+    """Build `cfg` with weights scaled so logits are far from uniform (greedy is not tie-prone)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=None,
-        bos_token_id=None,
-    )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -37,6 +32,27 @@ def make_tiny_llama(folder: Path) -> Path:
                 p.normal_(0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def make_tiny_llama(folder: Path) -> Path:
+    """A 2-layer random Llama over a small vocabulary, no tokenizer (scheduler tests)."""
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=None,
+        bos_token_id=None,
+    )  # fmt: skip
+    return save_random_llama(folder, cfg)
+
+
+def build_tiny_folder(folder: Path, tokenizer) -> str:
+    """A 2-layer random Llama with the real tokenizer saved beside it: fast, and every text path
+    (tokenize, chat template, detokenize) is real."""
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    save_random_llama(folder, cfg)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 def make_runner(folder: Path, **overrides) -> tuple[ModelRunner, ServerArgs]:

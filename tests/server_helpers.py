@@ -22,29 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.sched_harness import build_tiny_folder
+
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 180  # the default model's GGUF tokenizer alone takes ~15 s on a busy 2-core box
 _tiny_cache: dict[str, str] = {}
-
-
-def build_tiny_folder(folder: Path, tokenizer) -> str:
-    """A 2-layer random Llama saved as a Hugging Face folder with the real tokenizer (as
-    tests/test_engine.py's fixture builds it): fast, and every text path is real."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="session")

@@ -10,30 +10,17 @@ import asyncio
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import Engine, SamplingParams
 from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
+from tests.sched_harness import build_tiny_folder
 
 TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
 def tiny_tok_folder(tmp_path_factory, default_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=default_tokenizer.eos_token_id)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    default_tokenizer.save_pretrained(folder)
-    return str(folder)
+    return build_tiny_folder(tmp_path_factory.mktemp("tiny-with-tokenizer"), default_tokenizer)
 
 
 def tiny_engine(folder: str, **kw) -> Engine:
