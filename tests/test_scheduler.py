@@ -112,3 +112,46 @@ def test_request_larger_than_pool_is_aborted(tiny_folder):
     assert "does not fit" in big.finished_reason.message
     assert len(small.output_ids) == 5
     sched.check_memory()
+
+
+@pytest.mark.parametrize("overlap,chunk", [(True, 256), (False, 256), (True, None)])
+def test_shared_prefix_arriving_together_is_computed_once(tiny_folder, overlap, chunk):
+    """4 groups x 6 requests (200-token group prefix + 20-token question) arrive at once: with
+    in-batch prefix sharing each group's prefix is prefilled once, the other members wait for
+    it to reach the tree and then extend only their question. Outputs equal running alone."""
+    groups = random_prompts(4, 200, 200, seed=11)
+    questions = random_prompts(24, 20, 20, seed=12)
+    prompts = [groups[i // 6] + q for i, q in enumerate(questions)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    runner, args = make_runner(tiny_folder, chunked_prefill_size=chunk)
+    alone = []
+    for i, p in enumerate(prompts[:6]):
+        sched = Scheduler(runner, args)
+        req = new_req(i, p, params)
+        sched.add_request(req)
+        run_sync(sched, overlap=False)
+        alone.append(req.output_ids)
+        assert sched.flush_cache()  # the runner's pool is shared with the next scheduler
+    sched = Scheduler(runner, args)
+    reqs = [new_req(i, p, params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    computed = []
+    forward = runner.forward_batch_generation
+
+    def counting_forward(batch):
+        if batch.forward_mode.is_extend():
+            computed.append(sum(batch.extend_seq_lens))
+        return forward(batch)
+
+    runner.forward_batch_generation = counting_forward
+    try:
+        run_sync(sched, overlap=overlap)
+    finally:
+        runner.forward_batch_generation = forward
+    # Each prefix once, each question once (plus at most one page of re-computed tail per request).
+    assert sum(computed) <= 4 * 200 + 24 * 20 + 24, computed
+    assert sched.hit_tokens >= 20 * 200
+    for i in range(6):
+        assert reqs[i].output_ids == alone[i]
+    sched.check_memory()

@@ -2,7 +2,15 @@
 
 `SchedulePolicy` orders the waiting queue (LPM: longest cached prefix first, falling back to FCFS
 when the queue is long because matching every request each step would cost more than it saves;
-FCFS; LOF: longest output first; random). `PrefillAdder` then walks that order and admits
+FCFS; LOF: longest output first; random).
+
+In-batch prefix sharing (LPM, as SGLang's "in-batch prefix caching"): requests that arrive
+together with a common prompt head (say 64 users of one system prompt) find nothing in the
+radix tree yet, so admitting them together would compute that prefix once per request. When a
+request's first `IN_BATCH_PREFIX_LEN` tokens equal those of a request ahead of it (one that is
+computing its prompt now, its KV not yet in the tree, or one earlier in this round's order with a
+short cached match), it is *deferred*: it waits until the leader's prompt is in the tree, then
+matches all of it (also when the leader is a chunked prefill that has cached only part so far). `PrefillAdder` then walks that order and admits
 requests while three budgets hold:
 
 - rem_total_tokens: free + evictable KV minus what the running decodes will still need
@@ -23,6 +31,14 @@ from engine.schedule_batch import Req
 # A running request's future need is estimated from at most this many of its remaining tokens.
 CLIP_MAX_NEW_TOKENS = 4096
 LPM_FALLBACK_QUEUE_LEN = 128
+# Requests whose first this-many tokens are equal share a prefix worth waiting one round for.
+IN_BATCH_PREFIX_LEN = 32
+
+
+def prompt_head(req: Req) -> tuple[int, ...] | None:
+    """The key under which requests count as sharing a prefix; None for short prompts."""
+    ids = req.fill_ids
+    return tuple(ids[:IN_BATCH_PREFIX_LEN]) if len(ids) > IN_BATCH_PREFIX_LEN else None
 
 
 class SchedulePolicy:
@@ -35,20 +51,38 @@ class SchedulePolicy:
         self.tree_cache = tree_cache
         self.radix_enabled = radix_enabled
 
-    def calc_priority(self, waiting: list[Req]) -> None:
-        """Reorder `waiting` in place."""
+    def calc_priority(self, waiting: list[Req], in_flight: list[Req] = ()) -> set[int]:
+        """Reorder `waiting` in place; return the ids of requests deferred for prefix sharing.
+
+        `in_flight`: requests whose prompt is being computed now and is not in the tree yet.
+        Deferred requests are sorted last and must not be admitted this round.
+        """
         policy = self.policy
         if policy == "lpm" and (not self.radix_enabled or len(waiting) > LPM_FALLBACK_QUEUE_LEN):
             policy = "fcfs"
+        deferred: set[int] = set()
         if policy == "lpm":
             for req in waiting:
                 req.init_next_round_input(self.tree_cache)
             waiting.sort(key=lambda r: -len(r.prefix_indices))
+            # Leaders: requests computing their prompt head now or ahead in this order. A waiting
+            # request with a long cached match is not computing its head, so it leads no one.
+            leaders = {prompt_head(r) for r in in_flight} - {None}
+            for req in waiting:
+                if (head := prompt_head(req)) is None:
+                    continue
+                if head in leaders:
+                    deferred.add(id(req))
+                elif len(req.prefix_indices) <= IN_BATCH_PREFIX_LEN:
+                    leaders.add(head)
+            if deferred:
+                waiting.sort(key=lambda r: id(r) in deferred)  # stable: LPM order within each part
         elif policy == "lof":
             waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
         elif policy == "random":
             random.shuffle(waiting)
         # fcfs: arrival order, as queued
+        return deferred
 
 
 @dataclass

@@ -122,13 +122,16 @@ class Scheduler:
     # ---- planning -----------------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        joined: list[Req] = []
         if self.last_batch is not None and self.last_batch.mode.is_extend():
             # The previous prefill joins the running batch (minus a continuing chunk / finished reqs).
             joined = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
             self.last_batch = None
             if joined:
                 self.running_batch.merge_batch(self._new_batch(joined))
-        new_batch = self.get_new_batch_prefill()
+        # Under overlap the previous prefill's result (which puts its prompts in the tree) is read
+        # after this planning; its requests count as in flight for in-batch prefix sharing.
+        new_batch = self.get_new_batch_prefill(joined)
         if new_batch is not None:
             return new_batch
         self.running_batch.filter_batch()
@@ -136,14 +139,15 @@ class Scheduler:
             return None
         return self.update_running_batch(self.running_batch)
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def get_new_batch_prefill(self, in_flight: list[Req] = ()) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         self.running_batch.filter_batch()
         running = self.running_batch.reqs
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        self.policy.calc_priority(self.waiting_queue)
+        in_flight = [*in_flight, self.chunked_req] if self.chunked_req is not None else in_flight
+        deferred = self.policy.calc_priority(self.waiting_queue, in_flight)
         rem_total = (
             self.allocator.available_size()
             + self.tree_cache.evictable_size()
@@ -162,8 +166,8 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req)
         if adder.new_chunked_req is None:
             for req in self.waiting_queue:
-                if not adder.add_one_req(req):
-                    break
+                if id(req) in deferred or not adder.add_one_req(req):
+                    break  # deferred requests come last: wait for their leader's prefix
         can_run = adder.can_run_list
         if not can_run:
             return None
