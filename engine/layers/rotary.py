@@ -38,21 +38,26 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [num_tokens, head_dim] for flat token positions."""
+        """cos and *signed* sin, each [num_tokens, head_dim], for flat token positions.
+
+        The sin's first half is negated here, once per forward, so `apply_rotary` needs no `neg`
+        per layer: (-x2) * s == x2 * (-s) exactly, so results keep transformers' bits.
+        """
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/signed_sin from `cos_sin`: [num_tokens, head_dim].
+
+    transformers' x*cos + rotate_half(x)*sin with rotate_half(x) = (-x2, x1), computed as
+    x*cos + (x2, x1)*signed_sin.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return (x * cos) + (_rotate_half(x) * sin)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + swapped * signed_sin.unsqueeze(1)

@@ -17,6 +17,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.layers.norm import rms_norm
+from engine.layers.quant_linear import PackedInt4Weight, Q4Blocks, linear
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.model_config import ModelConfig
 
@@ -47,27 +48,36 @@ class DecoderLayer(nn.Module):
         self.down_w = _param(h, cfg.intermediate_size)
         self.down_b = _param(h) if cfg.mlp_bias else None
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        # Packed 4-bit forms of the four weights, for small bf16 batches (see load_weights); None: dense only.
+        self.qkv_q4: PackedInt4Weight | None = None
+        self.o_q4: PackedInt4Weight | None = None
+        self.gate_up_q4: PackedInt4Weight | None = None
+        self.down_q4: PackedInt4Weight | None = None
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """Qwen3's q_norm and k_norm weights as one [H + KVH, D] table for the fused q|k slab."""
+        cfg = self.cfg
+        return torch.cat([self.q_norm.expand(cfg.num_heads, -1), self.k_norm.expand(cfg.num_kv_heads, -1)])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, eps)
-        qkv = F.linear(h, self.qkv_w, self.qkv_b)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        qkv = linear(h, self.qkv_w, self.qkv_b, self.qkv_q4)
+        # q and k are adjacent in qkv: normalise and rotate them as one [t, H + KVH, D] slab
+        # (half the per-layer elementwise ops of doing each; same per-element arithmetic).
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            qk = rms_norm(qk, self.qk_norm_weight(), eps)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        x = x + F.linear(attn, self.o_w, self.o_b)
+        x = x + linear(attn, self.o_w, self.o_b, self.o_q4)
         h = rms_norm(x, self.post_norm, eps)
-        gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
-        return x + F.linear(self.act(gate) * up, self.down_w, self.down_b)
+        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.gate_up_q4).chunk(2, dim=-1)
+        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.down_q4)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,8 +106,17 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor] | tuple[str, torch.Tensor, Q4Blocks | None]],
+        q4_max_rows: int = 0,
+    ) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set.
+
+        Items may carry a third element, the weight's 4-bit blocks (`ModelSource.iter_weights_q4`).
+        With `q4_max_rows > 0`, a fused weight whose every part came with blocks is also kept packed
+        for the int4 kernel, used for inputs of at most that many rows; one dense part (or a shape
+        the kernel cannot take) leaves that weight dense only.
+        """
         cfg = self.cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
@@ -112,8 +131,10 @@ class LlamaForCausalLM(nn.Module):
             "input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
             "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
         }  # fmt: skip
+        n_parts = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+        q4_parts: dict[tuple[int, str], dict[int, Q4Blocks | None]] = {}  # (layer, attr) -> row offset -> blocks
         seen: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor, *extra in weights:
             if name == "model.embed_tokens.weight":
                 self._copy(self.embed, tensor, name)
                 seen.add("embed")
@@ -139,6 +160,14 @@ class LlamaForCausalLM(nn.Module):
                     rows = rows if rows is not None else target.shape[0]
                     self._copy(target.data[off : off + rows], tensor, name)
                     seen.add(f"{idx}.{module}.{kind}")
+                    if kind == "weight" and q4_max_rows > 0:
+                        parts = q4_parts.setdefault((int(idx), attr), {})
+                        parts[off] = extra[0] if extra else None
+                        if len(parts) == n_parts[attr]:  # every part is in: fuse (rows in order) and pack
+                            del q4_parts[(int(idx), attr)]
+                            blocks = [parts[o] for o in sorted(parts)]
+                            if all(b is not None for b in blocks):
+                                setattr(layer, f"{attr}_q4", Q4Blocks.cat(blocks).pack(q4_max_rows))
                 elif "rotary_emb" not in rest:
                     raise ModelLoadError(f"unexpected weight {name} for {cfg.architecture}")
         missing = self._expected_names() - seen
