@@ -96,11 +96,13 @@ class TorchAttnBackend:
         k = self._gather(pool.k_buffer[layer_id], meta.kv_indices).view(b, n, kvh, d)
         v = self._gather(pool.v_buffer[layer_id], meta.kv_indices).view(b, n, kvh, d)
         qg = q.view(b, kvh, self.num_heads // kvh, d)  # query heads grouped by their KV head
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().mul_(self.scaling)  # [B, KVH, G, L]
+        # einsum reads K/V in their gathered [B, L, KVH, D] layout; matmul on permuted views
+        # would copy both first (2.5x slower per layer at batch 32 on this CPU).
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float().mul_(self.scaling)
         if meta.masked_out is not None:
             scores.masked_fill_(meta.masked_out, float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [B, KVH, G, D]
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v)
         return out.reshape(b, self.num_heads * d)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
