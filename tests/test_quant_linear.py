@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 from engine.driver import SyncDriver
 from engine.errors import InvalidRequestError
 from engine.layers import quant_linear
-from engine.layers.quant_linear import PackedInt4Weight, Q4Blocks, linear
+from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear
 from engine.model_runner import ModelRunner
 from engine.models.gguf_weights import q4_blocks
 from engine.models.loader import resolve_model
@@ -241,3 +241,29 @@ def test_cli_flag():
     assert "q4_max_tokens" not in parse_args([])[0]
     with pytest.raises(SystemExit):
         parse_args(["--q4-max-tokens", "-1"])
+
+
+@pytest.mark.skipif(not quant_linear.onednn_prepack_available(), reason="this torch build has no oneDNN")
+def test_onednn_prepacked_weight_is_bit_identical_to_f_linear():
+    """Prepacking only moves the reorder out of the call: same oneDNN kernel, same bits, for any
+    row count (decode batches and prefills), with and without bias, and for the LM head shape."""
+    g = torch.Generator().manual_seed(7)
+    for out_f, in_f in ((960, 576), (576, 1536), (4096, 576)):
+        w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
+        bias = torch.randn(out_f, generator=g).to(torch.bfloat16)
+        dnn = OneDNNWeight.from_dense(w)
+        assert dnn is not None
+        for rows in (1, 5, 32, 300):
+            x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
+            assert torch.equal(linear(x, w, None, None, dnn), F.linear(x, w))
+            assert torch.equal(linear(x, w, bias, None, dnn), F.linear(x, w, bias))
+    assert OneDNNWeight.from_dense(torch.randn(32, 64)) is None  # fp32 keeps F.linear (the reference path)
+
+
+def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
+    packed, _ = bf16_runners
+    layer = packed.model.layers[0]
+    assert all(getattr(layer, f"{a}_dnn") is not None for a in ("qkv", "o", "gate_up", "down"))
+    assert packed.model.head_dnn is not None
+    fp32 = _runner(default_source, dtype="float32", q4_max_tokens=0)
+    assert fp32.model.layers[0].qkv_dnn is None and fp32.model.head_dnn is None

@@ -17,7 +17,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.layers.norm import rms_norm
-from engine.layers.quant_linear import PackedInt4Weight, Q4Blocks, linear
+from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.model_config import ModelConfig
 
@@ -53,6 +53,11 @@ class DecoderLayer(nn.Module):
         self.o_q4: PackedInt4Weight | None = None
         self.gate_up_q4: PackedInt4Weight | None = None
         self.down_q4: PackedInt4Weight | None = None
+        # The same four weights prepacked for oneDNN (CPU bf16, `prepack_onednn`); None: plain F.linear.
+        self.qkv_dnn: OneDNNWeight | None = None
+        self.o_dnn: OneDNNWeight | None = None
+        self.gate_up_dnn: OneDNNWeight | None = None
+        self.down_dnn: OneDNNWeight | None = None
 
     def qk_norm_weight(self) -> torch.Tensor:
         """Qwen3's q_norm and k_norm weights as one [H + KVH, D] table for the fused q|k slab."""
@@ -64,7 +69,7 @@ class DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, eps)
-        qkv = linear(h, self.qkv_w, self.qkv_b, self.qkv_q4)
+        qkv = linear(h, self.qkv_w, self.qkv_b, self.qkv_q4, self.qkv_dnn)
         # q and k are adjacent in qkv: normalise and rotate them as one [t, H + KVH, D] slab
         # (half the per-layer elementwise ops of doing each; same per-element arithmetic).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -74,10 +79,10 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        x = x + linear(attn, self.o_w, self.o_b, self.o_q4)
+        x = x + linear(attn, self.o_w, self.o_b, self.o_q4, self.o_dnn)
         h = rms_norm(x, self.post_norm, eps)
-        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.gate_up_q4).chunk(2, dim=-1)
-        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.down_q4)
+        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.gate_up_q4, self.gate_up_dnn).chunk(2, dim=-1)
+        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.down_q4, self.down_dnn)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -89,6 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(hf_config, cfg.head_dim, device)
+        self.head_dnn: OneDNNWeight | None = None  # see prepack_onednn
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -102,7 +108,23 @@ class LlamaForCausalLM(nn.Module):
             x = x[last]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return linear(x, head, None, None, self.head_dnn).float()
+
+    def prepack_onednn(self) -> int:
+        """Reorder every dense projection (and the LM head) for oneDNN once; CPU bf16 only.
+
+        Call after the final `.to(device, dtype)`. Returns how many weights were prepacked (0 when
+        oneDNN prepacking does not apply). The dense weights stay: the int4 path and other code
+        paths (fp32, other devices) never read the prepacked form.
+        """
+        n = 0
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                packed = OneDNNWeight.from_dense(getattr(layer, f"{name}_w"))
+                setattr(layer, f"{name}_dnn", packed)
+                n += packed is not None
+        self.head_dnn = OneDNNWeight.from_dense(self.embed if self.lm_head is None else self.lm_head)
+        return n + (self.head_dnn is not None)
 
     # ---- weights ------------------------------------------------------------------------------
 
