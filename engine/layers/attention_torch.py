@@ -4,10 +4,9 @@ The reference backend (CPU, and the ground truth for the Triton kernels):
 
 - decode: two batched matmuls for the whole batch. The per-request KV slot lists are gathered once
   per forward into a flat padded `[B * max_len]` index plus a length mask (`init_forward_metadata`)
-  that every layer reuses; each layer gathers its K/V rows with one `index_select` on a 2-D view
-  of the pool (4-8x faster on CPU than advanced indexing of the 3-D buffer). Grouped-query heads
-  are folded into the query axis (`[B, KVH, G, D] @ [B, KVH, D, L]`), so K/V are never repeated
-  per head. On CPU this is 5-10x faster than SDPA with a mask, whose flash kernel is built for
+  that every layer reuses; each layer gathers its K/V rows head-major with `index_select` (4-8x
+  faster on CPU than advanced indexing). Grouped-query heads are folded into the query axis
+  (`[KVH, B, G, D] @ [KVH, B, D, L]`), so K/V are never repeated per head. On CPU this is 5-10x faster than SDPA with a mask, whose flash kernel is built for
   long query blocks, not one query row (measured: bench.one_batch, docs/PERFORMANCE.md). The
   softmax runs in fp32 whatever the KV dtype. No Python loop over requests per layer.
 - extend: a loop over requests (prefill is compute-bound, so the loop's overhead is small next to
@@ -83,27 +82,32 @@ class TorchAttnBackend:
             return self._decode(q, layer_id, fb)
         return self._extend(q, k, v, layer_id, fb)
 
-    def _gather(self, buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Rows `slots` of one layer's K or V buffer, as `[len(slots), KVH, D]`."""
-        flat = buffer.view(buffer.shape[0], -1).index_select(0, slots)
-        return flat.view(-1, self.num_kv_heads, self.head_dim)
+    def _gather_heads(self, buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` of one layer's K or V buffer, head-major: `[KVH, len(slots), D]`.
+
+        One `index_select` per KV head on the strided `[slots, D]` view of that head writes
+        straight into the head-major result, so the batched matmuls below read it without the
+        transposing copy a `[len, KVH, D]` gather would need (that copy cost as much as the gather).
+        """
+        out = torch.empty(self.num_kv_heads, slots.numel(), self.head_dim, dtype=buffer.dtype, device=buffer.device)
+        for h in range(self.num_kv_heads):
+            torch.index_select(buffer[:, h, :], 0, slots, out=out[h])
+        return out
 
     def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         meta = self.meta
         assert isinstance(meta, _DecodeMeta)
         pool = fb.token_to_kv_pool
         b, n, kvh, d = q.shape[0], meta.max_len, self.num_kv_heads, self.head_dim
-        k = self._gather(pool.k_buffer[layer_id], meta.kv_indices).view(b, n, kvh, d)
-        v = self._gather(pool.v_buffer[layer_id], meta.kv_indices).view(b, n, kvh, d)
-        qg = q.view(b, kvh, self.num_heads // kvh, d)  # query heads grouped by their KV head
-        # einsum reads K/V in their gathered [B, L, KVH, D] layout; matmul on permuted views
-        # would copy both first (2.5x slower per layer at batch 32 on this CPU).
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float().mul_(self.scaling)
+        k = self._gather_heads(pool.k_buffer[layer_id], meta.kv_indices).view(kvh, b, n, d)
+        v = self._gather_heads(pool.v_buffer[layer_id], meta.kv_indices).view(kvh, b, n, d)
+        qg = q.view(b, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]: heads grouped by KV head
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(self.scaling)  # [KVH, B, G, L]
         if meta.masked_out is not None:
-            scores.masked_fill_(meta.masked_out, float("-inf"))
+            scores.masked_fill_(meta.masked_out.view(1, b, 1, n), float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-        return out.reshape(b, self.num_heads * d)
+        out = torch.matmul(probs, v)  # [KVH, B, G, D]
+        return out.transpose(0, 1).reshape(b, self.num_heads * d)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         meta = self.meta
@@ -120,8 +124,8 @@ class TorchAttnBackend:
                 ki, vi = k[s : s + ext].transpose(0, 1)[None], v[s : s + ext].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
             else:
-                ki = self._gather(pool.k_buffer[layer_id], idx).transpose(0, 1)[None]
-                vi = self._gather(pool.v_buffer[layer_id], idx).transpose(0, 1)[None]
+                ki = self._gather_heads(pool.k_buffer[layer_id], idx)[None]
+                vi = self._gather_heads(pool.v_buffer[layer_id], idx)[None]
                 o = F.scaled_dot_product_attention(
                     qi, ki, vi, attn_mask=meta.masks[i], scale=self.scaling, enable_gqa=True
                 )
