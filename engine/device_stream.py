@@ -405,6 +405,10 @@ class CudaDeviceStream(DeviceStream):
             torch.set_num_threads(self._torch_threads)
         future: asyncio.Future[T] = loop.create_future()
         try:
+            # The scheduler writes device tensors (request table entries, KV slot lists) on the
+            # launching thread's current stream just before launching; torch's side streams do not
+            # order after it implicitly, so this launch's work waits for what is queued there.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 value, ok = fn(*args, **kwargs), True
         except Exception as exc:  # noqa: BLE001 - delivered through the handle, in order

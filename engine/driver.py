@@ -120,7 +120,7 @@ class SyncDriver:
     def _run(self, batch: ScheduleBatch) -> list[Req]:
         result = self.runner.forward_batch_generation(batch.get_model_worker_batch())
         out = result.sampler_output
-        ids = result.next_token_ids.tolist()
+        ids = result.next_token_ids_list()
         finished = []
         for i, (req, tok) in enumerate(zip(batch.reqs, ids)):
             req.output_ids.append(tok)

@@ -113,7 +113,7 @@ class Engine:
         output = OutputProcessor(self.tokenizer, self.receiver, dispatcher)
         sched = OverlapScheduler(
             Scheduler(runner, args), self._stream, output, self.receiver,
-            eos_token_ids(runner.source.hf_config, self.tokenizer), args.enable_overlap,
+            eos_token_ids(runner.source.hf_config, self.tokenizer), args.resolved_enable_overlap(),
         )  # fmt: skip
         dispatcher_routes.update({t: sched for t in SCHEDULER_INPUTS})
         self.receiver.dispatcher, self.receiver.output = dispatcher, output

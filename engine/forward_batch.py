@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
+from engine.host_transfer import host_to_device
 from engine.schedule_batch import ForwardMode, ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -52,15 +53,19 @@ class ForwardBatch:
             )
         else:
             positions = batch.seq_lens - 1
+        # On CUDA the host-built ones travel in one pinned, non-blocking copy (host_transfer.py).
+        input_ids, positions, req_pool_indices, seq_lens, out_cache_loc = host_to_device(
+            [input_ids, positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc], device
+        )
         fb = cls(
             forward_mode=batch.forward_mode,
             batch_size=len(batch.seq_lens_cpu),
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            req_pool_indices=batch.req_pool_indices.to(device),
-            seq_lens=batch.seq_lens.to(device),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
             seq_lens_cpu=batch.seq_lens_cpu,
-            out_cache_loc=batch.out_cache_loc.to(device),
+            out_cache_loc=out_cache_loc,
             extend_seq_lens=batch.extend_seq_lens,
             extend_prefix_lens=batch.extend_prefix_lens,
             req_to_token_pool=req_to_token_pool,

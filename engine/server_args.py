@@ -26,8 +26,22 @@ class ServerArgs:
     page_size: int = 1
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
-    enable_overlap: bool = True
+    # None (auto): on for CUDA, off for CPU. On a CPU the "device" is the same cores: planning the
+    # next step beside the running forward steals them (bench.overlap: 3x slower steps when the
+    # machine is busy, ~20% when quiet), so there is nothing to hide the host work behind.
+    enable_overlap: bool | None = None
+    # GPU path (see engine/layers/attention_backend.py and engine/cuda_graph_runner.py).
+    attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch; or "torch" / "triton"
+    disable_cuda_graph: bool = False  # decode CUDA graphs are used on CUDA with the triton backend
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured (default: min(64, max_running_requests))
     torch_threads: int | None = None  # threads for the forward thread (None: torch's default)
+    # CPU + bf16 only: linears of inputs up to this many rows (decode batch size) use the packed
+    # 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights; more rows use the dense weights. 0 disables.
+    # 16: the default model's decode step breaks even near 16 rows at 1 thread, 20 at 2 (2-core CPU).
+    q4_max_tokens: int = 16
+
+    def resolved_enable_overlap(self) -> bool:
+        return self.resolved_device().type == "cuda" if self.enable_overlap is None else self.enable_overlap
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -41,3 +55,12 @@ class ServerArgs:
             return _DTYPES[self.dtype]
         except KeyError:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}", "dtype") from None
+
+    def resolved_q4_max_tokens(self) -> int:
+        """Rows up to which the packed 4-bit path runs; 0 where it does not apply (GPU, not bf16)."""
+        value = self.q4_max_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidRequestError(f"q4_max_tokens must be an int >= 0, got {value!r}", "q4_max_tokens")
+        if self.resolved_device().type != "cpu" or self.resolved_dtype() != torch.bfloat16:
+            return 0
+        return value

@@ -20,6 +20,8 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}  # fmt: skip
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Mirrors engine.layers.attention_backend.ATTENTION_BACKENDS (importing it would import torch).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="maximum tokens per sequence (default: the model's max_position_embeddings)")
     g.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype (default: auto = bfloat16)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: auto = cuda if present)")
+    g = p.add_argument_group("gpu")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="attention kernels: auto = triton on CUDA when triton imports, else torch (default: auto)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode eagerly instead of replaying CUDA graphs (graphs need CUDA and triton attention)")
+    g.add_argument("--cuda-graph-max-bs", type=_positive_int,
+                   help="largest decode batch captured as a CUDA graph (default: min(64, --max-running-requests))")
     g = p.add_argument_group("http")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=_port, default=30000, help="port to listen on (default: 30000)")
@@ -104,15 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
     g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="process each batch's results before planning the next (no CPU/device overlap)")
+                   help="process each batch's results before planning the next (no CPU/device overlap; "
+                        "overlap is on by default on CUDA only)")
+    g.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="overlap scheduling also on CPU (off there by default: it competes for the same cores)")
     g.add_argument("--torch-threads", type=_positive_int,
                    help="torch threads of the forward thread (default: torch's)")
+    g.add_argument("--q4-max-tokens", type=_non_negative_int,
+                   help="CPU, bfloat16: forward passes of up to this many tokens run the linears on the packed "
+                        "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: 16)")
     return p
 
 
 # CLI dest -> ServerArgs field, for the options passed straight through.
 _ENGINE_OPTIONS = ("context_length", "device", "max_running_requests", "max_total_tokens", "mem_fraction_static",
-                   "max_prefill_tokens", "chunked_prefill_size", "page_size", "schedule_policy", "torch_threads")  # fmt: skip
+                   "max_prefill_tokens", "chunked_prefill_size", "page_size", "schedule_policy", "torch_threads",
+                   "q4_max_tokens")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerConfig]:
@@ -125,6 +141,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         engine["disable_radix_cache"] = True
     if ns.disable_overlap_schedule:
         engine["enable_overlap"] = False
+    elif ns.enable_overlap_schedule:
+        engine["enable_overlap"] = True
+    for key in ("attention_backend", "cuda_graph_max_bs"):  # the gpu group, passed through when given
+        if getattr(ns, key) is not None:
+            engine[key] = getattr(ns, key)
+    if ns.disable_cuda_graph:
+        engine["disable_cuda_graph"] = True
     config = ServerConfig(
         model_path=ns.model_path, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
         api_key=ns.api_key, enable_metrics=ns.enable_metrics, max_queued_requests=ns.max_queued_requests,

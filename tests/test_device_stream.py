@@ -256,9 +256,13 @@ class _SimStream:
 
     def __init__(self, device: object = None) -> None:
         self.cuda_stream = 0
+        self.waited_on: list[object] = []
 
     def synchronize(self) -> None:
         pass
+
+    def wait_stream(self, other: object) -> None:
+        self.waited_on.append(other)
 
 
 class _SimEvent(_FakeEvent):
@@ -302,6 +306,8 @@ async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "Event", _SimEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    launcher_stream = object()  # the launching thread's current stream
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: launcher_stream)
     host = _SimHostStream(fail_after)
     monkeypatch.setattr(ds, "_cupy_host_stream", lambda ptr, index: host if fail_after else None)
 
@@ -317,6 +323,7 @@ async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.Monke
 
     handles = [stream.launch(enqueue, i) for i in range(4)]
     assert all(on_loop_thread), "CUDA launches must enqueue on the launching thread"
+    assert stream.stream.waited_on == [launcher_stream] * 4, "each launch must order after the launcher's stream"
     assert stream.uses_host_callbacks == (fail_after > 4)
 
     async def waiter(i: int) -> None:

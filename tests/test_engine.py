@@ -206,3 +206,15 @@ async def test_seeded_sampling_reproducible_across_batches(tiny_tok_folder):
 
 def _fields(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__struct_fields__}
+
+
+def test_overlap_defaults_to_cuda_only():
+    from engine.server_args import ServerArgs
+    from server.cli import parse_args
+
+    assert ServerArgs(device="cpu").resolved_enable_overlap() is False
+    assert ServerArgs(device="cuda").resolved_enable_overlap() is True
+    assert ServerArgs(device="cpu", enable_overlap=True).resolved_enable_overlap() is True
+    assert parse_args(["--enable-overlap-schedule"])[0]["enable_overlap"] is True
+    assert parse_args(["--disable-overlap-schedule"])[0]["enable_overlap"] is False
+    assert "enable_overlap" not in parse_args([])[0]

@@ -254,7 +254,7 @@ class Scheduler:
 
     def process_batch_result(self, lb: LaunchedBatch, result: GenerationBatchResult) -> BatchTokenOut:
         out = result.sampler_output
-        ids = result.next_token_ids.tolist()
+        ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
         want_lp = out.logprobs is not None
         lps = out.logprobs.tolist() if want_lp else None
         top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None

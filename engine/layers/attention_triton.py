@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.host_transfer import host_to_device
+
 if TYPE_CHECKING:
     from engine.forward_batch import ForwardBatch
 
@@ -67,11 +69,32 @@ class TritonAttnBackend:
         self.scaling = scaling
         self.num_kv_splits = num_kv_splits
         self.meta: _DecodeMeta | _ExtendMeta | None = None
+        self._decode_scratch: _DecodeMeta | None = None  # fixed [max_bs, ...] buffers (init_cuda_graph_state)
+
+    def init_cuda_graph_state(self, max_bs: int, device: torch.device) -> None:
+        """Allocate the decode split-KV scratch once, for up to `max_bs` requests.
+
+        Why: a CUDA graph bakes in every buffer address it touches, so decode metadata must not be
+        allocated per forward. After this call every decode batch of <= max_bs requests (captured
+        or eager) uses rows [:B] of these buffers, and building its metadata is only slicing: no
+        allocation, no host<->device traffic, nothing that reads a sequence length on the host.
+        The scratch does not depend on the context length: each request's sequence is split into
+        `num_kv_splits` parts of ceil(seq_len / splits) positions, computed inside the kernel.
+        """
+        shape = (max_bs, self.num_heads, self.num_kv_splits)
+        self._decode_scratch = _DecodeMeta(
+            torch.empty((*shape, self.head_dim), dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device),
+        )
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.seq_lens.device
         if fb.forward_mode.is_decode():
             b = len(fb.seq_lens_cpu)
+            fixed = self._decode_scratch
+            if fixed is not None and b <= fixed.mid_o.shape[0]:  # graph-safe: views of fixed buffers
+                self.meta = _DecodeMeta(fixed.mid_o[:b], fixed.mid_lse[:b])
+                return
             mid_o = torch.empty((b, self.num_heads, self.num_kv_splits, self.head_dim), dtype=torch.float32, device=device)
             mid_lse = torch.empty((b, self.num_heads, self.num_kv_splits), dtype=torch.float32, device=device)
             self.meta = _DecodeMeta(mid_o, mid_lse)
@@ -82,7 +105,7 @@ class TritonAttnBackend:
             starts[i] = starts[i - 1] + ext[i - 1]
         # One host->device copy for the three index vectors.
         host = torch.tensor([ext, starts, list(fb.extend_prefix_lens)], dtype=torch.int32).reshape(3, len(ext))
-        dev = host.to(device)
+        dev = host_to_device([host], device)[0]  # pinned + non-blocking on CUDA
         self.meta = _ExtendMeta(dev[0], dev[1], dev[2], max(ext, default=0))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:

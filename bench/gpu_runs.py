@@ -1,0 +1,211 @@
+"""The measurements behind bench/gpu.py: models, our runner / engine, transformers, copy bandwidth.
+
+Each function runs one measurement and returns plain numbers; bench/gpu.py decides what to run and
+prints the tables. Device-agnostic where it costs nothing (`_sync` is a no-op without CUDA), so
+the plumbing can be dry-run on CPU with a tiny model; the numbers only mean something on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bench.gpu_metrics import STEP_PREFIX, copy_bandwidth, idle_between_steps, step_spans
+
+if TYPE_CHECKING:  # engine and transformers are imported where used: `--help` stays fast
+    from engine.model_runner import ModelRunner
+    from engine.models.loader import ModelSource
+
+# Qwen2.5-0.5B's shape (random weights are built from it).
+QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)  # fmt: skip
+
+
+def _sync() -> None:
+    """Wait for the GPU (timings end when the device is done); nothing to wait for on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Memory bandwidth (bytes/s) from `reps` device-to-device copies of `nbytes` (read + write)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return copy_bandwidth(nbytes * reps, time.perf_counter() - t0)
+
+
+# ---- models -----------------------------------------------------------------------------------
+
+
+def build_random_qwen(folder: Path, shape: dict[str, Any] = QWEN_SHAPE, device: str = "cuda") -> str:
+    """Qwen2.5-0.5B's shape with random bf16 weights, plus a word-level tokenizer ("t0".."tN")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    cfg = Qwen2Config(**shape)
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the GPU: seconds, not a minute on the host
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t0", eos_token="t1")
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+def build_runner(model_path: str, max_bs: int, context_len: int, tokens: int) -> ModelRunner:
+    """Our runner on the GPU: bf16, Triton attention, decode graphs up to `max_bs`, a KV pool of
+    `tokens` (explicit, so both models get what the benchmark needs whatever the GPU's size)."""
+    from engine.model_runner import ModelRunner
+    from engine.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_path, dtype="bfloat16", device="cuda", attention_backend="triton",
+                      max_running_requests=max_bs, cuda_graph_max_bs=max_bs, max_total_tokens=tokens,
+                      context_length=context_len, disable_radix_cache=True)  # fmt: skip
+    return ModelRunner(args)
+
+
+def load_hf(source: ModelSource) -> torch.nn.Module:
+    """transformers' model on the same weights (the GGUF itself for the default model), bf16, on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    if source.gguf_file is not None:
+        path = source.gguf_file
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.bfloat16)
+    return model.to("cuda").eval()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n token-id prompts of `length` (ids >= 2: clear of the synthetic tokenizer's specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+# ---- measurements -----------------------------------------------------------------------------
+
+
+def ours_batch(runner: ModelRunner, prompts: list[list[int]], steps: int, graphs: bool) -> tuple[float, float]:
+    """(prefill seconds, median decode-step seconds) of one static batch; frees it all after."""
+    from engine.sampling import SamplingParams
+    from engine.schedule_batch import Req, ScheduleBatch
+
+    saved, runner.graph_runner = runner.graph_runner, (runner.graph_runner if graphs else None)
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+    reqs = [Req(f"b{i}", p, params, seed=i, max_context_len=runner.context_len) for i, p in enumerate(prompts)]
+    try:
+        for r in reqs:
+            r.init_next_round_input()
+        batch = ScheduleBatch.init_new(reqs, pool, alloc, None, runner.model_config.vocab_size)
+        assert batch.prepare_for_extend(), "KV pool too small for the benchmark"
+        _sync()
+        t0 = time.perf_counter()
+        ids = runner.forward_batch_generation(batch.get_model_worker_batch()).next_token_ids_list()
+        prefill = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            for r, t in zip(reqs, ids):
+                r.output_ids.append(t)
+            t0 = time.perf_counter()
+            assert batch.prepare_for_decode()
+            ids = runner.forward_batch_generation(batch.get_model_worker_batch()).next_token_ids_list()
+            times.append(time.perf_counter() - t0)
+        return prefill, statistics.median(times)
+    finally:
+        runner.graph_runner = saved
+        for r in reqs:
+            if r.req_pool_idx is not None:
+                alloc.free(pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].to(torch.int64))
+                pool.free(r.req_pool_idx)
+
+
+@torch.inference_mode()
+def hf_batch(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """(prefill seconds, median decode-step seconds) of transformers' forward with its KV cache."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor(prompts, device=model.device)
+    cache = DynamicCache()
+    _sync()
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
+    nxt.tolist()
+    prefill = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
+        nxt.tolist()
+        times.append(time.perf_counter() - t0)
+    return prefill, statistics.median(times)
+
+
+def hf_generate_batch(model: torch.nn.Module, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(output tokens/s, mean output tokens per request) of transformers' continuous batching
+    (greedy). It may stop a request at EOS where ours ignores EOS: the mean length shows it."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False)
+    _sync()
+    t0 = time.perf_counter()
+    outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    _sync()
+    n = sum(len(o.generated_tokens) for o in outs.values())
+    return n / (time.perf_counter() - t0), n / max(len(outs), 1)
+
+
+def engine_generate(runner: ModelRunner, prompts: list[list[int]], output_len: int, overlap: bool, graphs: bool,
+                    trace: Path | None = None) -> float | tuple[float, float, int]:  # fmt: skip
+    """Our Engine (scheduler + device stream) over an already built runner: output tokens/s, or
+    with `trace` the decode idle stats (fraction, mean gap us, pairs) of a profiled run."""
+    from engine import Engine, SamplingParams
+
+    a = runner.args
+    engine = Engine(a.model_path, dtype=a.dtype, device=str(runner.device), enable_overlap=overlap,
+                    max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                    disable_radix_cache=True, context_length=a.context_length)  # fmt: skip
+    engine.runner, engine.tokenizer = runner, runner.source.load_tokenizer()  # start() skips loading
+    saved, runner.graph_runner = runner.graph_runner, (runner.graph_runner if graphs else None)
+    real = runner.forward_batch_generation
+
+    def annotated(batch):
+        mode = "decode" if batch.forward_mode.is_decode() else "extend"
+        with torch.profiler.record_function(STEP_PREFIX + mode):
+            return real(batch)
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    try:
+        if trace is None:
+            t0 = time.perf_counter()
+            results = engine.generate_batch(prompts, params)
+            return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+        runner.forward_batch_generation = annotated
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            engine.generate_batch(prompts, params)
+        prof.export_chrome_trace(str(trace))
+        return idle_between_steps(step_spans(json.loads(trace.read_text())["traceEvents"]))
+    finally:
+        runner.__dict__.pop("forward_batch_generation", None)
+        runner.graph_runner = saved
