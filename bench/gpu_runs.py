@@ -81,15 +81,10 @@ def build_runner(model_path: str, max_bs: int, context_len: int, tokens: int) ->
 
 
 def load_hf(source: ModelSource) -> torch.nn.Module:
-    """transformers' model on the same weights (the GGUF itself for the default model), bf16, on the GPU."""
-    from transformers import AutoModelForCausalLM
+    """transformers' model on the same weights (bench/offline.py's loader: dense bf16), on the GPU."""
+    from bench.offline import load_hf as load_hf_cpu
 
-    if source.gguf_file is not None:
-        path = source.gguf_file
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.bfloat16)
-    return model.to("cuda").eval()
+    return load_hf_cpu(source, torch.bfloat16).to("cuda").eval()
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

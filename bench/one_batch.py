@@ -19,8 +19,9 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
+from bench.offline import load_hf  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models.loader import resolve_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> None:
                        max_running_requests=max_bs, context_length=args.input_len + args.decode_steps + 8),
             source,
         )  # fmt: skip
-        hf = _load_hf(source, dtype)
+        hf = load_hf(source, dtype)
         for bs in args.batch_sizes:
             prompts = _prompts(bs, args.input_len, runner.model_config.vocab_size)
             bench_ours(runner, prompts[:1], 2)  # warm-up
@@ -120,12 +121,6 @@ def main() -> None:
             )
         del runner, hf
 
-
-def _load_hf(source, dtype: torch.dtype):
-    if source.gguf_file is not None:
-        path = source.gguf_file
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).eval()
 
 
 if __name__ == "__main__":
