@@ -100,7 +100,8 @@ class Result:
 def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False) -> Result:
     engine = Engine(args.model_path, dtype=args.dtype, device="cpu", torch_threads=args.threads,
                     max_running_requests=max(len(wl.prompts), 1), disable_radix_cache=disable_radix,
-                    max_total_tokens=args.max_total_tokens)  # fmt: skip
+                    max_total_tokens=args.max_total_tokens,
+                    disable_cascade_attention=args.disable_cascade_attention)  # fmt: skip
 
     async def main() -> tuple[float, int, int]:
         async with engine:
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "single"])
     ap.add_argument("--hf-methods", nargs="*", default=list(HF_METHODS), choices=HF_METHODS)
     ap.add_argument("--no-radix-compare", action="store_true", help="skip ours without the radix cache on W2")
+    ap.add_argument("--disable-cascade-attention", action="store_true", help="ours: no shared-prefix decode attention")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="our KV pool size (default: from memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-file", default=None, help="write the results as JSON")

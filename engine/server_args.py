@@ -34,6 +34,9 @@ class ServerArgs:
     attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch; or "torch" / "triton"
     disable_cuda_graph: bool = False  # decode CUDA graphs are used on CUDA with the triton backend
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (default: min(64, max_running_requests))
+    # Torch attention backend: decode attends a prefix shared by several requests of the batch
+    # once for all of them (shared_prefix.py) instead of once per request.
+    disable_cascade_attention: bool = False
     torch_threads: int | None = None  # threads for the forward thread (None: torch's default)
     # CPU + bf16 only: linears of inputs up to this many rows (decode batch size) use the packed
     # 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights; more rows use the dense weights. 0 disables.

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
+    g.add_argument("--disable-cascade-attention", action="store_true",
+                   help="torch attention: attend prefixes shared by several decoding requests once per request "
+                        "instead of once per group")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="process each batch's results before planning the next (no CPU/device overlap; "
                         "overlap is on by default on CUDA only)")
@@ -137,8 +140,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
-    if ns.disable_radix_cache:
-        engine["disable_radix_cache"] = True
+    for flag in ("disable_radix_cache", "disable_cascade_attention"):
+        if getattr(ns, flag):
+            engine[flag] = True
     if ns.disable_overlap_schedule:
         engine["enable_overlap"] = False
     elif ns.enable_overlap_schedule:

@@ -80,11 +80,11 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float, cascade: bool = True
 ) -> AttnBackend:
     """The backend object for a name returned by `resolve_attention_backend`."""
     if name == "triton":
         return TritonAttnBackend(num_heads, num_kv_heads, head_dim, scaling)
     if name == "torch":
-        return TorchAttnBackend(num_heads, num_kv_heads, head_dim, scaling)
+        return TorchAttnBackend(num_heads, num_kv_heads, head_dim, scaling, cascade=cascade)
     raise ValueError(f"unresolved attention backend {name!r}")

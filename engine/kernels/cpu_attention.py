@@ -1,0 +1,114 @@
+"""The CPU paged attention kernels (csrc/cpu_attention.cpp): build once, call per layer.
+
+The kernel is C++ compiled on first use with torch's extension builder (`-O3 -march=native`,
+so it uses this machine's vector width; about 30 s, cached under ~/.cache/torch_extensions by a
+name that hashes the source, the flags and this CPU's feature flags). Anything that stops the
+build (no compiler, no ninja, an exotic CPU) leaves the torch path in charge: `load()` returns
+None, logs why once, and the engine stays correct, only slower. `ASYNCLLM_CPU_KERNELS=0` turns it
+off (A/B runs, bisecting).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+        digest.update(part)
+    return f"asyncllm_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+def enabled() -> bool:
+    return os.environ.get("ASYNCLLM_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on the first call; None when it cannot be built."""
+    global _module, _tried
+    if not enabled():
+        return None
+    if _tried:
+        return _module
+    with _lock:
+        if not _tried:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                _module = build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
+                log.warning("CPU attention kernels unavailable, using the torch path: %s", e)
+                _module = None
+            _tried = True
+    return _module
+
+
+def supports(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel can run this decode (device, dtype, head size)."""
+    return q.device.type == "cpu" and q.dtype in DTYPES and head_dim in HEAD_DIMS
+
+
+def decode_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, D], lse [B, H] fp32) of one query per request over `slots[b, :lens[b]]`.
+
+    q `[B, H, D]`; k_buf/v_buf `[S, KVH, D]` (one layer of the pool); slots int64 `[B, L]`;
+    lens int64 `[B]` (each >= 1). Raises RuntimeError if the kernel is not built (check `load()`).
+    """
+    module = _module_or_raise()
+    with torch.profiler.record_function("asyncllm::cpu_decode_attention"):  # named in profiles
+        out, lse = module.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, scale)
+    return out, lse
+
+
+def extend_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of each request's new tokens over its prefix and themselves: `[T, H, D]`.
+
+    q `[T, H, D]` (requests' new tokens back to back); slots int64 `[R, L]`, row r holding
+    request r's `prefix_lens[r] + extend_lens[r]` slots (the new tokens' K/V already written);
+    prefix_lens/extend_lens int64 `[R]` (extend >= 1).
+    """
+    module = _module_or_raise()
+    with torch.profiler.record_function("asyncllm::cpu_extend_attention"):
+        return module.extend_attention(q.contiguous(), k_buf, v_buf, slots, prefix_lens, extend_lens, scale)
+
+
+def _module_or_raise() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU attention kernels are not available")
+    return module

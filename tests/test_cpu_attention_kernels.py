@@ -1,0 +1,159 @@
+"""The C++ CPU attention kernels (engine/kernels/csrc/cpu_attention.cpp): decode and extend.
+
+Checked against a plain per-request softmax attention in fp64 on the same values: outputs (and
+decode's log-sum-exps), fp32 and bf16, head sizes 64 and 128, grouped-query ratios 1/3/4, lengths
+from 1 to past several 16-token blocks, extends with and without a cached prefix, slots scattered
+over the pool. Bad inputs raise, never crash.
+The kernel is built by the test session if it is not cached (the engine does the same at its
+first decode); a machine that cannot build it fails here loudly rather than silently running the
+torch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu_attention as kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernel.load() is not None, "the CPU decode-attention kernel did not build (see the log)"
+
+
+def _reference(q, kb, vb, slots, lens, scale):
+    outs, lses = [], []
+    g = q.shape[1] // kb.shape[1]
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        k = kb[slots[b, :n]].double().repeat_interleave(g, 1)  # [n, H, D]
+        v = vb[slots[b, :n]].double().repeat_interleave(g, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
+        lses.append(s.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128)])
+def test_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    pool = 3000
+    lens = torch.tensor([1, 2, 15, 16, 17, 33, 200, 64], dtype=torch.int64)
+    width = int(lens.max()) + 3
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in lens])
+    kb = (torch.randn(pool, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 2).to(dtype)
+    scale = head_dim**-0.5
+    out, lse = kernel.decode_attention(q, kb, vb, slots, lens, scale)
+    ref, ref_lse = _reference(q, kb, vb, slots, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    # A length-1 request attends only to its one key: its output is that value row exactly.
+    g = heads // kv_heads
+    torch.testing.assert_close(out[0].float(), vb[slots[0, 0]].float().repeat_interleave(g, 0), atol=tol, rtol=tol)
+
+
+def _extend_reference(q, kb, vb, slots, prefix, ext, scale):
+    outs, start = [], 0
+    g = q.shape[1] // kb.shape[1]
+    for r in range(len(ext)):
+        p, e = int(prefix[r]), int(ext[r])
+        k = kb[slots[r, : p + e]].double().repeat_interleave(g, 1)
+        v = vb[slots[r, : p + e]].double().repeat_interleave(g, 1)
+        s = torch.einsum("thd,nhd->htn", q[start : start + e].double(), k) * scale
+        causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
+        s = s.masked_fill(~causal, float("-inf"))
+        outs.append(torch.einsum("htn,nhd->thd", s.softmax(-1), v))
+        start += e
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128)])
+def test_extend_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    pool = 3000
+    # fresh prompts, extends on a cached prefix (block-aligned and not), a one-token extend
+    prefix = torch.tensor([0, 0, 100, 16, 37, 5], dtype=torch.int64)
+    ext = torch.tensor([70, 1, 33, 16, 1, 140], dtype=torch.int64)
+    width = int((prefix + ext).max()) + 2
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in ext])
+    kb = (torch.randn(pool, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(int(ext.sum()), heads, head_dim, generator=gen) * 2).to(dtype)
+    scale = head_dim**-0.5
+    out = kernel.extend_attention(q, kb, vb, slots, prefix, ext, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), _extend_reference(q, kb, vb, slots, prefix, ext, scale), atol=tol, rtol=tol)
+    # The last new token of each request is a decode over the same keys.
+    last = torch.cumsum(ext, 0) - 1
+    dec, _ = kernel.decode_attention(q[last].contiguous(), kb, vb, slots, prefix + ext, scale)
+    torch.testing.assert_close(out[last].float(), dec.float(), atol=tol, rtol=tol)
+
+
+def test_extend_kernel_rejects_bad_inputs():
+    kb = torch.zeros(10, 1, 64)
+    slots = torch.zeros(2, 4, dtype=torch.int64)
+    ok = dict(q=torch.zeros(3, 1, 64), k_buf=kb, v_buf=kb, slots=slots, prefix_lens=torch.tensor([1, 0]),
+              extend_lens=torch.tensor([2, 1]), scale=1.0)  # fmt: skip
+    kernel.extend_attention(**ok)
+    bad = [
+        dict(extend_lens=torch.tensor([3, 1])),  # lengths do not add up to the query tokens
+        dict(prefix_lens=torch.tensor([3, 0])),  # prefix + extend past the slot row
+        dict(extend_lens=torch.tensor([3, 0]), q=torch.zeros(3, 1, 64)),  # an empty extend
+        dict(slots=torch.full((2, 4), 10, dtype=torch.int64)),
+        dict(prefix_lens=torch.tensor([1])),  # one length per request
+    ]
+    for change in bad:
+        with pytest.raises(RuntimeError):
+            kernel.extend_attention(**{**ok, **change})
+
+
+def test_kernel_handles_large_score_ranges():
+    """Scores spanning hundreds of units: the online softmax must neither overflow nor lose mass."""
+    gen = torch.Generator().manual_seed(7)
+    kb = torch.randn(500, 1, 64, generator=gen) * 30
+    vb = torch.randn(500, 1, 64, generator=gen)
+    q = torch.randn(3, 2, 64, generator=gen) * 30
+    slots = torch.stack([torch.randperm(500, generator=gen)[:100] for _ in range(3)])
+    lens = torch.tensor([100, 57, 3])
+    out, lse = kernel.decode_attention(q, kb, vb, slots, lens, 0.125)
+    ref, ref_lse = _reference(q, kb, vb, slots, lens, 0.125)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-5)
+
+
+def test_kernel_rejects_bad_inputs():
+    kb = torch.zeros(10, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    slots = torch.zeros(1, 4, dtype=torch.int64)
+    ok = dict(q=q, k_buf=kb, v_buf=kb, slots=slots, lens=torch.tensor([4]), scale=1.0)
+    kernel.decode_attention(**ok)
+    bad = [
+        dict(lens=torch.tensor([5])),  # longer than the slot row
+        dict(lens=torch.tensor([0])),  # nothing to attend to
+        dict(slots=torch.full((1, 4), 10, dtype=torch.int64)),  # past the pool
+        dict(slots=torch.full((1, 4), -1, dtype=torch.int64)),
+        dict(slots=slots.to(torch.int32)),
+        dict(q=torch.zeros(1, 1, 64, dtype=torch.float16), k_buf=kb.half(), v_buf=kb.half()),
+        dict(q=torch.zeros(1, 1, 32), k_buf=torch.zeros(10, 1, 32), v_buf=torch.zeros(10, 1, 32)),  # head_dim 32
+        dict(q=torch.zeros(1, 3, 64), k_buf=torch.zeros(10, 2, 64), v_buf=torch.zeros(10, 2, 64)),  # 3 heads on 2 KV heads
+    ]
+    for change in bad:
+        with pytest.raises(RuntimeError):
+            kernel.decode_attention(**{**ok, **change})
+
+
+def test_supports_and_switch(monkeypatch):
+    assert kernel.supports(torch.zeros(1, 1, 64), 64)
+    assert not kernel.supports(torch.zeros(1, 1, 64, dtype=torch.float16), 64)
+    assert not kernel.supports(torch.zeros(1, 1, 96), 96)
+    monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
+    assert not kernel.enabled()
