@@ -23,7 +23,7 @@ from engine.sampling import SamplingParams
 from server.errors import ApiError, decode, unavailable
 from server.generation import GenerationGroup, GenSpec, Output
 from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
-from server.sse import open_sse, send_done, send_event
+from server.sse import send_done, send_event, sse_stream
 from server.state import STATE
 
 VERSION = "0.1.0"
@@ -105,15 +105,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         res = [_response(s, o, start, i if many else None) for i, (s, o) in enumerate(zip(specs, outs))]
         return web.json_response(body=msgspec.json.encode(res if many else res[0]))
     outs = [Output() for _ in specs]
-    async with group:
-        resp = await open_sse(request)
-        try:
-            async for i, d in group:
-                outs[i].add(d)
-                await send_event(resp, _response(specs[i], outs[i], start, i if many else None))
-            await send_done(resp)
-        except ConnectionResetError:
-            pass  # the client left; leaving the group aborts what still runs
+    async with group, sse_stream(request) as resp:  # leaving the group aborts what still runs
+        async for i, d in group:
+            outs[i].add(d)
+            await send_event(resp, _response(specs[i], outs[i], start, i if many else None))
+        await send_done(resp)
     return resp
 
 

@@ -25,7 +25,7 @@ from server.protocol import (
     ChatCompletionResponse, ChatDelta, ChoiceLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
     CompletionResponse, ImageUrlPart, ModelCard, ModelList, PromptTokensDetails, TokenLogprob, TopLogprob, Usage,
 )  # fmt: skip
-from server.sse import open_sse, send_done, send_event
+from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
 
 MAX_N = 128
@@ -178,34 +178,30 @@ async def _stream_completion(request: web.Request, state: ServerState, req: Comp
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     last: dict[int, Any] = {}
     offsets = {i: len(echo[i // n]) for i in range(len(group.specs))}
-    async with group:
-        resp = await open_sse(request)
-        try:
-            if req.echo:
-                for i in range(len(group.specs)):
-                    await send_event(resp, CompletionResponse(rid, created, model, [CompletionChoice(i, echo[i // n])]))
-            async for i, d in group:
-                last[i] = d
-                if d.finish_reason == "abort":
-                    await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
-                    break
-                lp = None
-                if req.logprobs is not None and d.token_ids:
-                    lp = _completion_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [],
-                                              bool(req.logprobs), offsets[i])  # fmt: skip
-                    offsets[i] += sum(len(t) for t in lp.tokens)
-                if not d.text and lp is None and d.finish_reason is None:
-                    continue
-                choice = CompletionChoice(i, d.text, lp, _finish_reason(d.finish_reason))
-                await send_event(resp, CompletionResponse(rid, created, model, [choice]))
-            else:
-                if include_usage:
-                    firsts = [last.get(pi * n) for pi in range(len(group.specs) // n)]
-                    usage = _usage(firsts, list(last.values()))
-                    await send_event(resp, CompletionResponse(rid, created, model, [], usage))
-            await send_done(resp)
-        except ConnectionResetError:
-            pass  # the client left; leaving the group aborts what still runs
+    async with group, sse_stream(request) as resp:
+        if req.echo:
+            for i in range(len(group.specs)):
+                await send_event(resp, CompletionResponse(rid, created, model, [CompletionChoice(i, echo[i // n])]))
+        async for i, d in group:
+            last[i] = d
+            if d.finish_reason == "abort":
+                await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
+                break
+            lp = None
+            if req.logprobs is not None and d.token_ids:
+                lp = _completion_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [],
+                                          bool(req.logprobs), offsets[i])  # fmt: skip
+                offsets[i] += sum(len(t) for t in lp.tokens)
+            if not d.text and lp is None and d.finish_reason is None:
+                continue
+            choice = CompletionChoice(i, d.text, lp, _finish_reason(d.finish_reason))
+            await send_event(resp, CompletionResponse(rid, created, model, [choice]))
+        else:
+            if include_usage:
+                firsts = [last.get(pi * n) for pi in range(len(group.specs) // n)]
+                usage = _usage(firsts, list(last.values()))
+                await send_event(resp, CompletionResponse(rid, created, model, [], usage))
+        await send_done(resp)
     return resp
 
 
@@ -270,30 +266,26 @@ async def _stream_chat(request: web.Request, state: ServerState, req: ChatComple
         return ChatCompletionChunk(rid, created, model, choices, usage)
 
     last: dict[int, Any] = {}
-    async with group:
-        resp = await open_sse(request)
-        try:
-            for i in range(len(group.specs)):
-                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
-            async for i, d in group:
-                last[i] = d
-                if d.finish_reason == "abort":
-                    await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
-                    break
-                lp = None
-                if req.logprobs and d.token_ids:
-                    lp = _chat_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [])
-                if d.text or lp is not None:
-                    await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(content=d.text), lp)]))
-                if d.finish_reason is not None:
-                    await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None,
-                                                                  _finish_reason(d.finish_reason))]))  # fmt: skip
-            else:
-                if include_usage:
-                    await send_event(resp, chunk([], _usage([last.get(0)], list(last.values()))))
-            await send_done(resp)
-        except ConnectionResetError:
-            pass  # the client left; leaving the group aborts what still runs
+    async with group, sse_stream(request) as resp:
+        for i in range(len(group.specs)):
+            await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
+        async for i, d in group:
+            last[i] = d
+            if d.finish_reason == "abort":
+                await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
+                break
+            lp = None
+            if req.logprobs and d.token_ids:
+                lp = _chat_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [])
+            if d.text or lp is not None:
+                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(content=d.text), lp)]))
+            if d.finish_reason is not None:
+                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None,
+                                                              _finish_reason(d.finish_reason))]))  # fmt: skip
+        else:
+            if include_usage:
+                await send_event(resp, chunk([], _usage([last.get(0)], list(last.values()))))
+        await send_done(resp)
     return resp
 
 

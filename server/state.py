@@ -65,9 +65,9 @@ class ServerState:
         return release
 
     def check_model(self, model: str | None) -> None:
-        """OpenAI requests name a model: it must be the one we serve (its served name or path)."""
+        """OpenAI requests name a model: it must be the one we serve (its served name or path); 404 otherwise, as OpenAI and vLLM answer."""
         if model is not None and model not in (self.config.model_name, self.config.model_path):
-            raise ApiError(400, f"the model {model!r} does not exist; this server serves "
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", param="model", code="model_not_found")  # fmt: skip
 
     def _token_text(self, token_id: int) -> str:

@@ -135,7 +135,7 @@ def test_cli_all_failed_exits_1_with_report(tiny_server, tiny_model_dir, tmp_pat
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Serving Benchmark Result" in proc.stdout
     assert "Failed requests:                         3" in proc.stdout
-    assert "[3x] HTTP 400: the model 'no-such-model' does not exist" in proc.stdout, proc.stdout
+    assert "[3x] HTTP 404: the model 'no-such-model' does not exist" in proc.stdout, proc.stdout
     data = json.loads(out_file.read_text())
     assert data["metrics"]["completed"] == 0 and data["metrics"]["failed"] == 3
     assert all("no-such-model" in r["error"] for r in data["requests"])

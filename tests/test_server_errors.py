@@ -6,11 +6,14 @@ memory invariant holds and the server still serves. Plus 503 from an unhealthy e
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
+
+from engine.errors import EngineUnhealthyError
 
 from tests.server_helpers import (  # noqa: F401 (fixtures)
     TINY_ARGS, free_port, shared_server, tiny_model_dir, wait_clean,
@@ -84,7 +87,7 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", None),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),  # as OpenAI and vLLM
     ("/v1/completions", {"prompt": LONG_IDS}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt", None),
     ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, 400, "messages[0].role", None),
@@ -215,6 +218,71 @@ async def test_unhealthy_engine_gets_503(tiny_model_dir):
             for path in ("/health", "/health_generate"):
                 async with s.get(url + path) as r:
                     await _expect_error(r, 503)
+    finally:
+        await runner.cleanup()
+        await engine.stop()
+
+
+def _sse_events(raw: str) -> list[str]:
+    return [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("failure,status_code", [
+    (EngineUnhealthyError("the engine went down (injected)"), "engine_unhealthy"),
+    (RuntimeError("injected bug"), None),
+], ids=["engine-error", "bug"])  # fmt: skip
+async def test_error_in_mid_stream_ends_with_an_error_event(tiny_model_dir, monkeypatch, failure, status_code):
+    """After the first streamed bytes the status is spent: a failure must still reach the client
+    as OpenAI's error body in a last event, then [DONE], not as a stream that just stops. The
+    failure is injected into the engine's per-request stream after its first delta."""
+    from engine import Engine
+    from engine.engine import RequestStream
+    from server import ServerConfig, build_app
+
+    original = RequestStream.__anext__
+
+    async def failing_after_first(self):
+        calls = getattr(self, "_test_calls", 0)
+        self._test_calls = calls + 1
+        if calls == 1:
+            raise failure
+        return await original(self)
+
+    engine = Engine(tiny_model_dir, dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
+    await engine.start()
+    port = free_port()
+    runner = web.AppRunner(build_app(engine, ServerConfig(model_path=tiny_model_dir, port=port)),
+                           handler_cancellation=True)  # fmt: skip
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    streams = [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 8, "stream": True, "ignore_eos": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}),
+        ("/generate", {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 8}}),
+    ]
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            monkeypatch.setattr(RequestStream, "__anext__", failing_after_first)
+            for path, body in streams:
+                async with s.post(url + path, json=body) as r:
+                    assert r.status == 200
+                    events = _sse_events(await r.text())
+                assert events[-1] == "[DONE]", (path, events)
+                err = json.loads(events[-2])["error"]
+                assert set(err) == {"message", "type", "param", "code"}, err
+                assert "injected" in err["message"], err
+                if status_code is not None:
+                    assert err["code"] == status_code, err
+                else:
+                    assert err["type"] == "server_error", err
+            monkeypatch.undo()  # the server still serves, and nothing leaked
+            async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as r:
+                assert r.status == 200
+        async with asyncio.timeout(30):
+            while (st := await engine.get_internal_state())["running_requests"] or st["waiting_requests"]:
+                await asyncio.sleep(0.05)
+        assert st["available_tokens"] + st["evictable_tokens"] == st["total_tokens"], st
     finally:
         await runner.cleanup()
         await engine.stop()
