@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
-from server.errors import ApiError, abort_error, decode, error_json
+from server.errors import ApiError, abort_error, decode
 from server.generation import GenerationGroup, GenSpec, Output
 from server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -184,9 +184,8 @@ async def _stream_completion(request: web.Request, state: ServerState, req: Comp
                 await send_event(resp, CompletionResponse(rid, created, model, [CompletionChoice(i, echo[i // n])]))
         async for i, d in group:
             last[i] = d
-            if d.finish_reason == "abort":
-                await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
-                break
+            if d.finish_reason == "abort":  # sse_stream sends the error event and [DONE]
+                raise abort_error(d.error, state.engine.healthy)
             lp = None
             if req.logprobs is not None and d.token_ids:
                 lp = _completion_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [],
@@ -271,9 +270,8 @@ async def _stream_chat(request: web.Request, state: ServerState, req: ChatComple
             await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
         async for i, d in group:
             last[i] = d
-            if d.finish_reason == "abort":
-                await send_event(resp, error_json(abort_error(d.error, state.engine.healthy)))
-                break
+            if d.finish_reason == "abort":  # sse_stream sends the error event and [DONE]
+                raise abort_error(d.error, state.engine.healthy)
             lp = None
             if req.logprobs and d.token_ids:
                 lp = _chat_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [])

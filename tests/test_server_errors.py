@@ -6,6 +6,7 @@ memory invariant holds and the server still serves. Plus 503 from an unhealthy e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -192,20 +193,28 @@ async def test_mid_request_disconnects_then_invariant_holds(server):
             assert r.status == 200
 
 
-async def test_unhealthy_engine_gets_503(tiny_model_dir):
-    """In process: once the engine is down, generation endpoints and health checks answer 503."""
+@contextlib.asynccontextmanager
+async def _in_process_server(model_dir: str):
+    """(engine, base url) of a server running in this process's event loop on a loopback port."""
     from engine import Engine
     from server import ServerConfig, build_app
 
-    engine = Engine(tiny_model_dir, dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
+    engine = Engine(model_dir, dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
     await engine.start()
     port = free_port()
-    runner = web.AppRunner(build_app(engine, ServerConfig(model_path=tiny_model_dir, port=port)),
-                           handler_cancellation=True)  # fmt: skip
+    runner = web.AppRunner(build_app(engine, ServerConfig(model_path=model_dir, port=port)), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     try:
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        await engine.stop()
+
+
+async def test_unhealthy_engine_gets_503(tiny_model_dir):
+    """In process: once the engine is down, generation endpoints and health checks answer 503."""
+    async with _in_process_server(tiny_model_dir) as (engine, url):
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 200
@@ -218,9 +227,6 @@ async def test_unhealthy_engine_gets_503(tiny_model_dir):
             for path in ("/health", "/health_generate"):
                 async with s.get(url + path) as r:
                     await _expect_error(r, 503)
-    finally:
-        await runner.cleanup()
-        await engine.stop()
 
 
 def _sse_events(raw: str) -> list[str]:
@@ -235,9 +241,7 @@ async def test_error_in_mid_stream_ends_with_an_error_event(tiny_model_dir, monk
     """After the first streamed bytes the status is spent: a failure must still reach the client
     as OpenAI's error body in a last event, then [DONE], not as a stream that just stops. The
     failure is injected into the engine's per-request stream after its first delta."""
-    from engine import Engine
     from engine.engine import RequestStream
-    from server import ServerConfig, build_app
 
     original = RequestStream.__anext__
 
@@ -248,20 +252,12 @@ async def test_error_in_mid_stream_ends_with_an_error_event(tiny_model_dir, monk
             raise failure
         return await original(self)
 
-    engine = Engine(tiny_model_dir, dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
-    await engine.start()
-    port = free_port()
-    runner = web.AppRunner(build_app(engine, ServerConfig(model_path=tiny_model_dir, port=port)),
-                           handler_cancellation=True)  # fmt: skip
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     streams = [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 8, "stream": True, "ignore_eos": True}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}),
         ("/generate", {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 8}}),
     ]
-    try:
+    async with _in_process_server(tiny_model_dir) as (engine, url):
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             monkeypatch.setattr(RequestStream, "__anext__", failing_after_first)
             for path, body in streams:
@@ -283,6 +279,3 @@ async def test_error_in_mid_stream_ends_with_an_error_event(tiny_model_dir, monk
             while (st := await engine.get_internal_state())["running_requests"] or st["waiting_requests"]:
                 await asyncio.sleep(0.05)
         assert st["available_tokens"] + st["evictable_tokens"] == st["total_tokens"], st
-    finally:
-        await runner.cleanup()
-        await engine.stop()

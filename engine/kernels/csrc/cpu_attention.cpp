@@ -116,91 +116,6 @@ inline v16f exp_nonpos(v16f x) {
   return dead ? splat(0.0f) : out;
 }
 
-template <int NV, typename T>
-void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, const int64_t* lens, T* out,
-                   float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
-  constexpr int64_t D = NV * 16;
-  const int64_t G = H / KVH;
-  const int64_t row = KVH * D;  // elements between consecutive slots of the pool
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(G * NV), acc(G * NV);
-    std::vector<float> run_max(G), run_sum(G);
-    // One block of K and V rows converted to fp32 once, then read by every query head of the group.
-    std::vector<v16f> kf(kBlock * NV), vf(kBlock * NV);
-    v16f partial[kBlock];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, kh = task % KVH, n = lens[b];
-      const int64_t* sl = slots + b * max_len;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qg = q + (b * H + kh * G + g) * D;
-        for (int j = 0; j < NV; ++j) {
-          qv[g * NV + j] = load16(qg + 16 * j) * scale;
-          acc[g * NV + j] = splat(0.0f);
-        }
-        run_max[g] = -std::numeric_limits<float>::infinity();
-        run_sum[g] = 0.0f;
-      }
-      for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
-        const int cnt = static_cast<int>(n - t0 < kBlock ? n - t0 : kBlock);
-        // Rows kPrefetch blocks ahead, while this one computes: the slots are scattered, so the
-        // hardware prefetchers cannot guess them.
-        const int64_t ahead = t0 + kPrefetch * kBlock;
-        const int64_t next = n - ahead < kBlock ? n - ahead : kBlock;
-        for (int64_t t = 0; t < next; ++t) {
-          const int64_t off = sl[ahead + t] * row + kh * D;
-          for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(kb + off) + byte);
-            __builtin_prefetch(reinterpret_cast<const char*>(vb + off) + byte);
-          }
-        }
-        for (int t = 0; t < cnt; ++t) {
-          const int64_t off = sl[t0 + t] * row + kh * D;
-          for (int j = 0; j < NV; ++j) {
-            kf[t * NV + j] = load16(kb + off + 16 * j);
-            vf[t * NV + j] = load16(vb + off + 16 * j);
-          }
-        }
-        for (int t = cnt; t < kBlock; ++t)
-          for (int j = 0; j < NV; ++j) kf[t * NV + j] = vf[t * NV + j] = splat(0.0f);
-        const v16i valid = __builtin_convertvector(v16f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, v16i) < cnt;
-        for (int64_t g = 0; g < G; ++g) {
-          const v16f* qg = qv.data() + g * NV;
-          for (int t = 0; t < kBlock; ++t) {
-            v16f a = qg[0] * kf[t * NV];
-            for (int j = 1; j < NV; ++j) a += qg[j] * kf[t * NV + j];
-            partial[t] = a;
-          }
-          v16f s = transpose_sum16(partial);  // s[t]: score of token t0 + t
-          s = valid ? s : splat(-std::numeric_limits<float>::infinity());
-          const float new_max = std::max(run_max[g], hmax(s));
-          const float alpha = std::exp(run_max[g] - new_max);  // 0 on the first block (-inf)
-          v16f p = exp_nonpos(s - new_max);
-          p = valid ? p : splat(0.0f);
-          run_sum[g] = run_sum[g] * alpha + hsum(p);
-          run_max[g] = new_max;
-          v16f a[NV];
-          for (int j = 0; j < NV; ++j) a[j] = acc[g * NV + j] * alpha;
-          for (int t = 0; t < cnt; ++t) {
-            const v16f w = splat(p[t]);
-            for (int j = 0; j < NV; ++j) a[j] += w * vf[t * NV + j];
-          }
-          for (int j = 0; j < NV; ++j) acc[g * NV + j] = a[j];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const float inv = 1.0f / run_sum[g];
-        T* o = out + (b * H + h) * D;
-        for (int j = 0; j < NV; ++j) {
-          v16f v = acc[g * NV + j] * inv;
-          for (int i = 0; i < 16; ++i) o[16 * j + i] = static_cast<T>(v[i]);
-        }
-        lse[b * H + h] = run_max[g] + std::log(run_sum[g]);
-      }
-    }
-  });
-}
-
 // State of one query row (one token, one head) across key blocks: the online softmax.
 template <int NV>
 struct RowState {
@@ -234,6 +149,90 @@ inline void attend_block(const v16f* qrow, const v16f* kf, const v16f* vf, v16i 
   for (int j = 0; j < NV; ++j) st.acc[j] = a[j];
 }
 
+// Rows sl[0..cnt) of one KV head (elements at `head_off` within each slot row) converted to fp32
+// into kf/vf ([kBlock][NV] vectors), zero past cnt.
+template <int NV, typename T>
+inline void load_kv_block(const T* kb, const T* vb, const int64_t* sl, int cnt, int64_t row, int64_t head_off,
+                          v16f* kf, v16f* vf) {
+  for (int t = 0; t < cnt; ++t) {
+    const int64_t off = sl[t] * row + head_off;
+    for (int j = 0; j < NV; ++j) {
+      kf[t * NV + j] = load16(kb + off + 16 * j);
+      vf[t * NV + j] = load16(vb + off + 16 * j);
+    }
+  }
+  for (int t = cnt; t < kBlock; ++t)
+    for (int j = 0; j < NV; ++j) kf[t * NV + j] = vf[t * NV + j] = splat(0.0f);
+}
+
+template <int NV>
+inline void init_row(RowState<NV>& st) {
+  for (int j = 0; j < NV; ++j) st.acc[j] = splat(0.0f);
+  st.run_max = -std::numeric_limits<float>::infinity();
+  st.run_sum = 0.0f;
+}
+
+// The normalised output row; returns the row's log-sum-exp.
+template <int NV, typename T>
+inline float store_row(const RowState<NV>& st, T* o) {
+  const float inv = 1.0f / st.run_sum;
+  for (int j = 0; j < NV; ++j) {
+    v16f v = st.acc[j] * inv;
+    for (int i = 0; i < 16; ++i) o[16 * j + i] = static_cast<T>(v[i]);
+  }
+  return st.run_max + std::log(st.run_sum);
+}
+
+inline v16i lanes_below(int64_t n) {
+  return __builtin_convertvector(v16f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, v16i) < static_cast<int>(n);
+}
+
+template <int NV, typename T>
+void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, const int64_t* lens, T* out,
+                   float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
+  constexpr int64_t D = NV * 16;
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;  // elements between consecutive slots of the pool
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<v16f> qv(G * NV);
+    std::vector<RowState<NV>> st(G);
+    // One block of K and V rows converted to fp32 once, then read by every query head of the group.
+    std::vector<v16f> kf(kBlock * NV), vf(kBlock * NV);
+    v16f partial[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kh = task % KVH, n = lens[b];
+      const int64_t* sl = slots + b * max_len;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qg = q + (b * H + kh * G + g) * D;
+        for (int j = 0; j < NV; ++j) qv[g * NV + j] = load16(qg + 16 * j) * scale;
+        init_row(st[g]);
+      }
+      for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
+        const int cnt = static_cast<int>(n - t0 < kBlock ? n - t0 : kBlock);
+        // Rows kPrefetch blocks ahead, while this one computes: the slots are scattered, so the
+        // hardware prefetchers cannot guess them.
+        const int64_t ahead = t0 + kPrefetch * kBlock;
+        const int64_t next = n - ahead < kBlock ? n - ahead : kBlock;
+        for (int64_t t = 0; t < next; ++t) {
+          const int64_t off = sl[ahead + t] * row + kh * D;
+          for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kb + off) + byte);
+            __builtin_prefetch(reinterpret_cast<const char*>(vb + off) + byte);
+          }
+        }
+        load_kv_block<NV>(kb, vb, sl + t0, cnt, row, kh * D, kf.data(), vf.data());
+        const v16i valid = lanes_below(cnt);
+        for (int64_t g = 0; g < G; ++g)
+          attend_block<NV>(qv.data() + g * NV, kf.data(), vf.data(), valid, cnt, st[g], partial);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        lse[b * H + h] = store_row<NV>(st[g], out + (b * H + h) * D);
+      }
+    }
+  });
+}
+
 template <int NV, typename T>
 void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L, const int64_t* prefix,
                    const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H, int64_t KVH, float scale) {
@@ -247,7 +246,6 @@ void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, i
       task_block.push_back(i0);
     }
   const int64_t ntask = static_cast<int64_t>(task_req.size());
-  const v16f lane = v16f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   at::parallel_for(0, ntask * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<v16f> qv(kBlock * G * NV), kf(kBlock * NV), vf(kBlock * NV);
     std::vector<RowState<NV>> st(kBlock * G);
@@ -260,45 +258,24 @@ void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, i
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const T* qr = q + ((qstart[r] + i0 + i) * H + kh * G + g) * D;
-          RowState<NV>& s = st[i * G + g];
-          for (int j = 0; j < NV; ++j) {
-            qv[(i * G + g) * NV + j] = load16(qr + 16 * j) * scale;
-            s.acc[j] = splat(0.0f);
-          }
-          s.run_max = -std::numeric_limits<float>::infinity();
-          s.run_sum = 0.0f;
+          for (int j = 0; j < NV; ++j) qv[(i * G + g) * NV + j] = load16(qr + 16 * j) * scale;
+          init_row(st[i * G + g]);
         }
       for (int64_t t0 = 0; t0 <= last_pos; t0 += kBlock) {
         const int cnt = static_cast<int>(last_pos + 1 - t0 < kBlock ? last_pos + 1 - t0 : kBlock);
-        for (int t = 0; t < cnt; ++t) {
-          const int64_t off = sl[t0 + t] * row + kh * D;
-          for (int j = 0; j < NV; ++j) {
-            kf[t * NV + j] = load16(kb + off + 16 * j);
-            vf[t * NV + j] = load16(vb + off + 16 * j);
-          }
-        }
-        for (int t = cnt; t < kBlock; ++t)
-          for (int j = 0; j < NV; ++j) kf[t * NV + j] = vf[t * NV + j] = splat(0.0f);
+        load_kv_block<NV>(kb, vb, sl + t0, cnt, row, kh * D, kf.data(), vf.data());
         // Query i sees keys 0..first_pos + i: the block's first t0 - first_pos queries see none of it.
         for (int64_t i = t0 > first_pos ? t0 - first_pos : 0; i < nq; ++i) {
           const int64_t pos = first_pos + i;
           const int64_t seen = pos + 1 - t0;
           const int upto = static_cast<int>(seen < cnt ? seen : cnt);
-          const v16i valid = __builtin_convertvector(lane, v16i) < upto;
+          const v16i valid = lanes_below(upto);
           for (int64_t g = 0; g < G; ++g)
             attend_block<NV>(qv.data() + (i * G + g) * NV, kf.data(), vf.data(), valid, upto, st[i * G + g], partial);
         }
       }
       for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const RowState<NV>& s = st[i * G + g];
-          const float inv = 1.0f / s.run_sum;
-          T* o = out + ((qstart[r] + i0 + i) * H + kh * G + g) * D;
-          for (int j = 0; j < NV; ++j) {
-            v16f v = s.acc[j] * inv;
-            for (int e = 0; e < 16; ++e) o[16 * j + e] = static_cast<T>(v[e]);
-          }
-        }
+        for (int64_t g = 0; g < G; ++g) store_row<NV>(st[i * G + g], out + ((qstart[r] + i0 + i) * H + kh * G + g) * D);
     }
   });
 }
