@@ -11,6 +11,9 @@ torch path.
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -157,3 +160,38 @@ def test_supports_and_switch(monkeypatch):
     assert not kernel.supports(torch.zeros(1, 1, 96), 96)
     monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
     assert not kernel.enabled()
+
+
+def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
+    """torch's builder waits forever on its lock file: one left by a killed build must not hang us."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernel._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - kernel.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    kernel._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    kernel._clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
+    """A machine that cannot compile the kernels still decodes, on the torch path, with a warning."""
+    from engine.layers.attention_torch import TorchAttnBackend
+
+    monkeypatch.setenv("ASYNCLLM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel, "CFLAGS", ["-fno-such-compiler-flag"])
+    monkeypatch.setattr(kernel, "_tried", False)
+    monkeypatch.setattr(kernel, "_module", None)
+    assert kernel.load() is None
+    assert "unavailable" in caplog.text
+    backend = TorchAttnBackend(4, 2, 64, 0.125)
+    q = torch.zeros(1, 4, 64)
+
+    class _Pool:
+        dtype = torch.float32
+
+    class _Batch:
+        token_to_kv_pool = _Pool()
+
+    assert not backend._use_kernel(q, _Batch())

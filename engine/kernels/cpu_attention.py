@@ -1,11 +1,16 @@
 """The CPU paged attention kernels (csrc/cpu_attention.cpp): build once, call per layer.
 
-The kernel is C++ compiled on first use with torch's extension builder (`-O3 -march=native`,
-so it uses this machine's vector width; about 30 s, cached under ~/.cache/torch_extensions by a
-name that hashes the source, the flags and this CPU's feature flags). Anything that stops the
-build (no compiler, no ninja, an exotic CPU) leaves the torch path in charge: `load()` returns
-None, logs why once, and the engine stays correct, only slower. `ASYNCLLM_CPU_KERNELS=0` turns it
-off (A/B runs, bisecting).
+The kernels are C++ compiled with torch's extension builder (`-O3 -march=native`, so they use
+this machine's vector width; about 25 s), into a folder under ~/.cache/asyncllm/kernels named by a
+hash of the source, the flags, this CPU's feature flags and the torch version. `make setup` builds
+them (`python -m engine.kernels.build`), so servers and tests find them ready; otherwise
+the first ModelRunner builds them. Anything that stops the build (no compiler, no ninja, an exotic
+CPU) leaves the torch path in charge: `load()` returns None, logs why once, and the engine stays
+correct, only slower. `ASYNCLLM_CPU_KERNELS=0` turns them off (A/B runs, bisecting).
+
+torch's builder serialises concurrent builds with a lock file and waits for it forever; a build
+killed mid-way (a test timeout, ^C) would leave it behind and hang every later start. A lock older
+than STALE_LOCK_S, far longer than a build takes, is therefore removed before building.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HEAD_DIMS = (64, 128)
+STALE_LOCK_S = 600
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -48,6 +55,22 @@ def _build_name() -> str:
     return f"asyncllm_cpu_attention_{digest.hexdigest()[:12]}"
 
 
+def build_directory() -> Path:
+    root = Path(os.environ.get("ASYNCLLM_KERNEL_CACHE", Path.home() / ".cache" / "asyncllm" / "kernels"))
+    return root / _build_name()
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def enabled() -> bool:
     return os.environ.get("ASYNCLLM_CPU_KERNELS", "1") not in ("0", "false", "no")
 
@@ -64,8 +87,11 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                _module = build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+                folder = build_directory()
+                folder.mkdir(parents=True, exist_ok=True)
+                _clear_stale_lock(folder)
+                _module = build(name=folder.name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)  # fmt: skip
             except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
                 log.warning("CPU attention kernels unavailable, using the torch path: %s", e)
                 _module = None
@@ -112,3 +138,4 @@ def _module_or_raise() -> ModuleType:
     if module is None:
         raise RuntimeError("the CPU attention kernels are not available")
     return module
+
