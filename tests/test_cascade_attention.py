@@ -13,7 +13,6 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine import Engine
@@ -24,6 +23,7 @@ from engine.layers.shared_prefix import plan_shared_prefix
 from engine.sampling import SamplingParams
 from engine.schedule_batch import ForwardMode
 from engine.server_args import ServerArgs
+from tests.hf_reference import hf_greedy_outputs
 
 H, KVH, D = 6, 2, 64
 
@@ -125,26 +125,31 @@ _QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch-path"])
-async def test_shared_system_prompts_decode_with_cascade_token_identical(default_source, default_tokenizer, monkeypatch, kernels):
-    """fp32 end to end, with the C++ attention kernels and without (ASYNCLLM_CPU_KERNELS=0)."""
-    monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", kernels)
-    tok = default_tokenizer
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def shared_system_prompts(default_tokenizer) -> list[list[int]]:
     prompts = []
     for g, questions in enumerate(_QUESTIONS):
         system = _SYSTEM if g == 0 else _SYSTEM.replace("lighthouse museum", "seabird reserve")
         for q in questions:
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            prompts.append(list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)))
-    new_tokens = 24
-    path = default_source.gguf_file
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for ids in prompts:
-            inp = torch.tensor([ids])
-            gen = hf.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=new_tokens)
-            refs.append(gen[0, len(ids) :].tolist())
+            ids = default_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            prompts.append(list(ids))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_refs(default_source, shared_system_prompts) -> list[list[int]]:
+    return hf_greedy_outputs(default_source, shared_system_prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch-path"])
+async def test_shared_system_prompts_decode_with_cascade_token_identical(shared_system_prompts, hf_refs, monkeypatch, kernels):
+    """fp32 end to end, with the C++ attention kernels and without (ASYNCLLM_CPU_KERNELS=0)."""
+    monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", kernels)
+    prompts, refs, new_tokens = shared_system_prompts, hf_refs, NEW_TOKENS
 
     plans: list[bool] = []
 

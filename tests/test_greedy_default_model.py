@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.driver import SyncDriver, eos_token_ids
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
+from tests.hf_reference import hf_greedy_outputs
 
 NEW_TOKENS = 64
 
@@ -59,15 +59,7 @@ def prompts(default_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_outputs(default_source, prompts) -> list[list[int]]:
-    path = default_source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            inp = torch.tensor([ids])
-            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=NEW_TOKENS)
-            outs.append(gen[0, len(ids) :].tolist())
-    return outs
+    return hf_greedy_outputs(default_source, prompts, NEW_TOKENS)
 
 
 def test_prompt_mix_is_varied(prompts):
