@@ -65,10 +65,14 @@ class ServerState:
         return release
 
     def check_model(self, model: str | None) -> None:
-        """OpenAI requests name a model: it must be the one we serve (its served name or path); 404 otherwise, as OpenAI and vLLM answer."""
+        """OpenAI requests name a model: it must be the one we serve (its served name or path).
+
+        Otherwise 404 with OpenAI's body for it (type invalid_request_error, code model_not_found).
+        """
         if model is not None and model not in (self.config.model_name, self.config.model_path):
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.config.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+                           f"{self.config.model_name!r}", param="model", code="model_not_found",
+                           type="invalid_request_error")  # fmt: skip
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -117,6 +117,8 @@ async def test_bad_requests_get_their_status_and_error_body(server):
                 "json": body}  # fmt: skip
             async with s.post(url + path, **kw) as r:
                 await _expect_error(r, status, param, code)
+        async with s.post(url + "/v1/chat/completions", json={"model": "gpt-4", "messages": []}) as r:
+            assert (await _expect_error(r, 404, "model", "model_not_found"))["type"] == "invalid_request_error"
         async with s.get(url + "/v1/completions") as r:
             await _expect_error(r, 405)
         big = {"prompt": "x" * (BODY_LIMIT + 10)}
