@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,6 +72,15 @@ def _clear_stale_lock(folder: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _put_venv_bin_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip-installed one sits next to this Python,
+    which is not on PATH when the venv is used without being activated (`.venv/bin/python ...`)."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path if path else bin_dir
+
+
 def enabled() -> bool:
     return os.environ.get("ASYNCLLM_CPU_KERNELS", "1") not in ("0", "false", "no")
 
@@ -87,6 +97,7 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as build
 
+                _put_venv_bin_on_path()
                 folder = build_directory()
                 folder.mkdir(parents=True, exist_ok=True)
                 _clear_stale_lock(folder)
