@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,9 +156,10 @@ def test_kernel_rejects_bad_inputs():
 
 
 def test_supports_and_switch(monkeypatch):
-    assert kernel.supports(torch.zeros(1, 1, 64), 64)
-    assert not kernel.supports(torch.zeros(1, 1, 64, dtype=torch.float16), 64)
-    assert not kernel.supports(torch.zeros(1, 1, 96), 96)
+    cpu = torch.device("cpu")
+    assert kernel.supports(cpu, torch.float32, 64)
+    assert not kernel.supports(cpu, torch.float16, 64)
+    assert not kernel.supports(cpu, torch.float32, 96)
     monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
     assert not kernel.enabled()
 
@@ -177,6 +179,7 @@ def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
 
 def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
     """A machine that cannot compile the kernels still decodes, on the torch path, with a warning."""
+    from engine.cache.memory_pool import KVCache
     from engine.layers.attention_torch import TorchAttnBackend
 
     monkeypatch.setenv("ASYNCLLM_KERNEL_CACHE", str(tmp_path))
@@ -186,12 +189,5 @@ def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
     assert kernel.load() is None
     assert "unavailable" in caplog.text
     backend = TorchAttnBackend(4, 2, 64, 0.125)
-    q = torch.zeros(1, 4, 64)
-
-    class _Pool:
-        dtype = torch.float32
-
-    class _Batch:
-        token_to_kv_pool = _Pool()
-
-    assert not backend._use_kernel(q, _Batch())
+    fb = SimpleNamespace(token_to_kv_pool=KVCache(8, 1, 2, 64, torch.float32))
+    assert not backend._kernel_ok(fb)

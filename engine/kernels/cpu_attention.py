@@ -110,9 +110,9 @@ def load() -> ModuleType | None:
     return _module
 
 
-def supports(q: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel can run this decode (device, dtype, head size)."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and head_dim in HEAD_DIMS
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels handle attention on this device, dtype and head size."""
+    return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
 
 
 def decode_attention(

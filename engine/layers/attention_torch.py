@@ -39,21 +39,25 @@ if TYPE_CHECKING:
 @dataclass
 class _DecodeMeta:
     rows: torch.Tensor  # [B, max_len] int64 slot ids (past a request's length: whatever the table holds)
-    lens: torch.Tensor  # [B] int64 on the host: the kernel's lengths
     max_len: int
-    masked_out: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = padding; None if no padding
-    shared: SharedPrefixPlan | None = None  # set: cascade decode (rows/masked_out unused)
+    use_kernel: bool
+    lens: torch.Tensor | None = None  # kernel: [B] int64 on the host
+    masked_out: torch.Tensor | None = None  # torch path: [B, 1, 1, max_len] bool, True = padding
+    shared: SharedPrefixPlan | None = None  # set: cascade decode (rows/lens/masked_out unused)
 
 
 @dataclass
 class _ExtendMeta:
-    kv_indices: list[torch.Tensor | None]  # per request: slots of the whole sequence, None if no prefix
-    q_starts: list[int]
-    masks: list[torch.Tensor | None]  # per request: [extend, seq] bool when there is a prefix
-    # The kernel's view: [R, max seq] slot rows and host length tensors.
+    use_kernel: bool
+    # kernel: [R, max seq] slot rows and host length tensors
     rows: torch.Tensor | None = None
     prefix_lens: torch.Tensor | None = None
     extend_lens: torch.Tensor | None = None
+    # torch path, per request: slots of the whole sequence and [extend, seq] causal mask (None
+    # without a prefix), and where its queries start
+    kv_indices: list[torch.Tensor | None] | None = None
+    masks: list[torch.Tensor | None] | None = None
+    q_starts: list[int] | None = None
 
 
 class TorchAttnBackend:
@@ -66,39 +70,42 @@ class TorchAttnBackend:
         self.head_dim = head_dim
         self.scaling = scaling
         self.cascade = cascade  # decode shared prefixes once per group (ServerArgs.disable_cascade_attention)
-        # The C++ decode kernel (kernels/cpu_attention.py), built on first use when wanted.
-        self.cpu_kernel = cpu_kernel and head_dim in cpu_attention.HEAD_DIMS
+        # The C++ kernels (kernels/cpu_attention.py), built at start-up (`prepare`) when wanted.
+        self.cpu_kernel = cpu_kernel
         self.meta: _DecodeMeta | _ExtendMeta | None = None
 
     def prepare(self, device: torch.device) -> None:
-        """Build the CPU decode kernel now (start-up), not inside the first request's decode."""
-        if self.cpu_kernel and device.type == "cpu":
+        """Build the CPU kernels now (start-up), not inside the first request's forward."""
+        if self.cpu_kernel and cpu_attention.supports(device, torch.float32, self.head_dim):
             cpu_attention.load()
 
-    def _use_kernel(self, q: torch.Tensor, fb: ForwardBatch) -> bool:
+    def _kernel_ok(self, fb: ForwardBatch) -> bool:
+        """Whether this forward's attention runs in the C++ kernels (decided once per forward)."""
+        pool = fb.token_to_kv_pool
         return (
             self.cpu_kernel
-            and q.dtype == fb.token_to_kv_pool.dtype
-            and cpu_attention.supports(q, self.head_dim)
+            and cpu_attention.supports(pool.device, pool.dtype, self.head_dim)
             and cpu_attention.load() is not None
         )
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         table = fb.req_to_token_pool.req_to_token
+        use_kernel = self._kernel_ok(fb)
         if fb.forward_mode.is_decode():
             max_len = max(fb.seq_lens_cpu)
             rows = table[fb.req_pool_indices, :max_len].to(torch.int64)
-            plan = plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
-            lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
-            masked_out = None
-            if plan is None and min(fb.seq_lens_cpu) < max_len:
+            meta = _DecodeMeta(rows, max_len, use_kernel)
+            meta.shared = plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
+            if meta.shared is None and use_kernel:
+                meta.lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+            elif meta.shared is None and min(fb.seq_lens_cpu) < max_len:
                 ar = torch.arange(max_len, device=rows.device)
-                masked_out = (ar[None, :] >= fb.seq_lens[:, None])[:, None, None, :]
-            self.meta = _DecodeMeta(rows, lens, max_len, masked_out, plan)
+                meta.masked_out = (ar[None, :] >= fb.seq_lens[:, None])[:, None, None, :]
+            self.meta = meta
             return
-        if self.cpu_kernel and fb.token_to_kv_pool.device.type == "cpu":
+        if use_kernel:
             max_seq = max(p + e for p, e in zip(fb.extend_prefix_lens, fb.extend_seq_lens))
-            self.meta = _ExtendMeta([], [], [], table[fb.req_pool_indices, :max_seq].to(torch.int64),
+            self.meta = _ExtendMeta(True, table[fb.req_pool_indices, :max_seq].to(torch.int64),
                                     torch.tensor(fb.extend_prefix_lens, dtype=torch.int64),
                                     torch.tensor(fb.extend_seq_lens, dtype=torch.int64))  # fmt: skip
             return
@@ -114,7 +121,7 @@ class TorchAttnBackend:
             kv_indices.append(table[row, :seq].to(torch.int64))
             q_pos = torch.arange(prefix, seq)[:, None]
             masks.append(torch.arange(seq)[None, :] <= q_pos)
-        self.meta = _ExtendMeta(kv_indices, q_starts, masks)
+        self.meta = _ExtendMeta(False, kv_indices=kv_indices, masks=masks, q_starts=q_starts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Returns [T, H*D]."""
@@ -141,8 +148,8 @@ class TorchAttnBackend:
         assert isinstance(meta, _DecodeMeta)
         b = q.shape[0]
         if meta.shared is not None:
-            out = self._decode_cascade(q, layer_id, fb, meta.shared)
-        elif self._use_kernel(q, fb):
+            out = self._decode_cascade(q, layer_id, fb, meta.shared, meta.use_kernel)
+        elif meta.use_kernel:
             pool = fb.token_to_kv_pool
             out, _ = cpu_attention.decode_attention(
                 q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], meta.rows, meta.lens, self.scaling
@@ -168,7 +175,9 @@ class TorchAttnBackend:
         out = out.transpose(0, 1).reshape(b, self.num_heads, d)
         return out, None if lse is None else lse.transpose(0, 1).reshape(b, self.num_heads)
 
-    def _decode_cascade(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, plan: SharedPrefixPlan) -> torch.Tensor:
+    def _decode_cascade(
+        self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, plan: SharedPrefixPlan, use_kernel: bool
+    ) -> torch.Tensor:
         """Decode attention split into shared prefixes (one GEMM per group) and own suffixes: [B, H, D]."""
         pool = fb.token_to_kv_pool
         kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
@@ -191,7 +200,7 @@ class TorchAttnBackend:
         o1 = o1.index_select(1, plan.member_slot).transpose(0, 1).reshape(b, self.num_heads, d)
         lse1 = lse1.index_select(1, plan.member_slot).transpose(0, 1).reshape(b, self.num_heads)
         # Own suffixes (the whole sequence for requests in no group).
-        if self._use_kernel(q, fb):
+        if use_kernel:
             o2, lse2 = cpu_attention.decode_attention(
                 q, kb, vb, plan.suffix_slots.view(b, s), plan.suffix_lens, self.scaling
             )
@@ -206,14 +215,10 @@ class TorchAttnBackend:
         meta = self.meta
         assert isinstance(meta, _ExtendMeta)
         pool = fb.token_to_kv_pool
-        if meta.rows is not None and self._use_kernel(q, fb):
+        if meta.use_kernel:
             out = cpu_attention.extend_attention(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], meta.rows,
                                                  meta.prefix_lens, meta.extend_lens, self.scaling)  # fmt: skip
             return out.view(q.shape[0], self.num_heads * self.head_dim)
-        if meta.rows is not None:  # planned for the kernel, which cannot run: plan the torch path
-            self.cpu_kernel = False
-            self.init_forward_metadata(fb)
-            return self._extend(q, k, v, layer_id, fb)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for i, ext in enumerate(fb.extend_seq_lens):
             s = meta.q_starts[i]
