@@ -66,8 +66,7 @@ class ModelRunner:
             self.attn_backend_name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
             cascade=not args.disable_cascade_attention,
         )
-        if hasattr(self.attn_backend, "prepare"):
-            self.attn_backend.prepare(self.device)
+        self.attn_backend.prepare(self.device)
         self.sampler = Sampler()
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.

@@ -71,6 +71,9 @@ class TritonAttnBackend:
         self.meta: _DecodeMeta | _ExtendMeta | None = None
         self._decode_scratch: _DecodeMeta | None = None  # fixed [max_bs, ...] buffers (init_cuda_graph_state)
 
+    def prepare(self, device: torch.device) -> None:
+        """Start-up hook shared with TorchAttnBackend: Triton compiles its kernels on first launch."""
+
     def init_cuda_graph_state(self, max_bs: int, device: torch.device) -> None:
         """Allocate the decode split-KV scratch once, for up to `max_bs` requests.
 
