@@ -94,6 +94,8 @@ class ModelRunner:
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if n := model.prepack_onednn():
             log.info("oneDNN: %d dense weights prepacked", n)
+        if model.use_fused_cpu_ops():
+            log.info("fused C++ RMSNorm / SiLU-and-mul on")
         return model
 
     def _init_memory(self) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_attention as kernel
+from engine.kernels import cpu_extension
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -203,20 +204,20 @@ def test_supports_and_switch(monkeypatch):
     assert not kernel.supports(cpu, torch.float16, 64)
     assert not kernel.supports(cpu, torch.float32, 96)
     monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
-    assert not kernel.enabled()
+    assert not cpu_extension.enabled()
 
 
 def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
     """torch's builder waits forever on its lock file: one left by a killed build must not hang us."""
     lock = tmp_path / "lock"
     lock.touch()
-    kernel._clear_stale_lock(tmp_path)
+    cpu_extension._clear_stale_lock(tmp_path)
     assert lock.exists()  # a build may be running right now
-    old = time.time() - kernel.STALE_LOCK_S - 60
+    old = time.time() - cpu_extension.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    kernel._clear_stale_lock(tmp_path)
+    cpu_extension._clear_stale_lock(tmp_path)
     assert not lock.exists()
-    kernel._clear_stale_lock(tmp_path)  # no lock: nothing to do
+    cpu_extension._clear_stale_lock(tmp_path)  # no lock: nothing to do
 
 
 def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
@@ -225,9 +226,9 @@ def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
     from engine.layers.attention_torch import TorchAttnBackend
 
     monkeypatch.setenv("ASYNCLLM_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernel, "CFLAGS", ["-fno-such-compiler-flag"])
-    monkeypatch.setattr(kernel, "_tried", False)
-    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(cpu_extension, "CFLAGS", ["-fno-such-compiler-flag"])
+    monkeypatch.setattr(cpu_extension, "_tried", False)
+    monkeypatch.setattr(cpu_extension, "_module", None)
     assert kernel.load() is None
     assert "unavailable" in caplog.text
     backend = TorchAttnBackend(4, 2, 64, 0.125)

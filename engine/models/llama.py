@@ -16,12 +16,17 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
+from engine.kernels import cpu_elementwise
 from engine.layers.norm import rms_norm
 from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.model_config import ModelConfig
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
+    return cpu_elementwise.rms_norm(x, weight, eps) if fused else rms_norm(x, weight, eps)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -58,6 +63,9 @@ class DecoderLayer(nn.Module):
         self.o_dnn: OneDNNWeight | None = None
         self.gate_up_dnn: OneDNNWeight | None = None
         self.down_dnn: OneDNNWeight | None = None
+        # CPU bf16: RMSNorm, residual add + RMSNorm and SiLU-and-mul as fused C++ ops
+        # (kernels/cpu_elementwise.py); set by LlamaForCausalLM.use_fused_cpu_ops.
+        self.fused = False
 
     def qk_norm_weight(self) -> torch.Tensor:
         """Qwen3's q_norm and k_norm weights as one [H + KVH, D] table for the fused q|k slab."""
@@ -68,7 +76,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, eps)
+        h = _norm(x, self.input_norm, eps, self.fused)
         qkv = linear(h, self.qkv_w, self.qkv_b, self.qkv_q4, self.qkv_dnn)
         # q and k are adjacent in qkv: normalise and rotate them as one [t, H + KVH, D] slab
         # (half the per-layer elementwise ops of doing each; same per-element arithmetic).
@@ -79,10 +87,19 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        x = x + linear(attn, self.o_w, self.o_b, self.o_q4, self.o_dnn)
-        h = rms_norm(x, self.post_norm, eps)
-        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.gate_up_q4, self.gate_up_dnn).chunk(2, dim=-1)
-        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.down_q4, self.down_dnn)
+        o = linear(attn, self.o_w, self.o_b, self.o_q4, self.o_dnn)
+        if self.fused:  # x is this forward's own residual stream (embedding output or a layer's sum)
+            h = cpu_elementwise.add_rms_norm_(x, o, self.post_norm, eps)
+        else:
+            x = x + o
+            h = rms_norm(x, self.post_norm, eps)
+        gate_up = linear(h, self.gate_up_w, self.gate_up_b, self.gate_up_q4, self.gate_up_dnn)
+        if self.fused and self.act is F.silu:
+            act = cpu_elementwise.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.act(gate) * up
+        return x + linear(act, self.down_w, self.down_b, self.down_q4, self.down_dnn)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(hf_config, cfg.head_dim, device)
         self.head_dnn: OneDNNWeight | None = None  # see prepack_onednn
+        self.fused = False  # see use_fused_cpu_ops
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -106,9 +124,22 @@ class LlamaForCausalLM(nn.Module):
         if fb.forward_mode.is_extend() and not fb.return_prompt_logits:
             last = torch.tensor(fb.extend_seq_lens, device=x.device).cumsum(0) - 1
             x = x[last]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        x = _norm(x, self.norm, self.cfg.rms_norm_eps, self.fused)
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(x, head, None, None, self.head_dnn).float()
+
+    def use_fused_cpu_ops(self) -> bool:
+        """Switch the layers to the fused C++ elementwise ops when they apply: CPU, bf16, the kernels
+        built. Call after the final `.to(device, dtype)`; returns whether they are on."""
+        on = (
+            self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16
+            and self.cfg.hidden_size % 16 == 0 and self.cfg.intermediate_size % 16 == 0
+            and cpu_elementwise.load() is not None
+        )  # fmt: skip
+        self.fused = on
+        for layer in self.layers:
+            layer.fused = on
+        return on
 
     def prepack_onednn(self) -> int:
         """Reorder every dense projection (and the LM head) for oneDNN once; CPU bf16 only.

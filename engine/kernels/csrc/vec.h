@@ -1,0 +1,115 @@
+// 16-lane fp32 vector helpers shared by the CPU kernels (GCC vector extensions: -march=native
+// maps them to the machine's widest registers, AVX-512 here, without intrinsics).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace asyncllm {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const c10::BFloat16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  v16u u = __builtin_convertvector(h, v16u) << 16;  // bf16 is the top half of an fp32
+  v16f v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+inline v16f splat(float x) { return v16f{} + x; }
+
+inline float hsum(v16f v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v4f __attribute__((vector_size(16)));
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(v16f v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v4f __attribute__((vector_size(16)));
+  v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v8f a = lo > hi ? lo : hi;
+  v4f l4 = __builtin_shufflevector(a, a, 0, 1, 2, 3), h4 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v4f b = l4 > h4 ? l4 : h4;
+  const float x = b[0] > b[1] ? b[0] : b[1], y = b[2] > b[3] ? b[2] : b[3];
+  return x > y ? x : y;
+}
+
+// Pairwise-sum step of a 16-to-1 transpose reduction: lanes 0-7 get a's adjacent pair sums, 8-15 b's.
+inline v16f pair_sums(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// out[t] = sum of the lanes of v[t], for 16 vectors at once (15 shuffle-add steps instead of 16
+// separate horizontal sums). Four rounds of pair_sums keep the lanes in token order.
+inline v16f transpose_sum16(v16f* v) {
+  for (int width = 16; width > 1; width /= 2)
+    for (int i = 0; i < width / 2; ++i) v[i] = pair_sums(v[2 * i], v[2 * i + 1]);
+  return v[0];
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7). Below -87 it returns 0.
+inline v16f exp_nonpos(v16f x) {
+  const v16f lo = splat(-87.0f);
+  v16i dead = x < lo;
+  x = x < lo ? lo : x;
+  // n = round(x log2 e): x <= 0, so truncating (x log2 e - 0.5) toward zero rounds to nearest.
+  v16f n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i), v16f);
+  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = splat(1.0f / 720);
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v16f out = p * scale;
+  return dead ? splat(0.0f) : out;
+}
+
+// State of one query row (one token, one head) across key blocks: the online softmax.
+
+inline v16i lanes_below(int64_t n) {
+  return __builtin_convertvector(v16f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, v16i) < static_cast<int>(n);
+}
+
+// Stores v as 16 values of T (bf16: round to nearest even, as torch rounds).
+template <typename T>
+inline void store16(const v16f& v, T* o) {
+  for (int i = 0; i < 16; ++i) o[i] = static_cast<T>(v[i]);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+template <>
+inline void store16(const v16f& v, c10::BFloat16* o) {
+  const __m256bh h = _mm512_cvtneps_pbh((__m512)v);  // round to nearest even, one instruction
+  std::memcpy(o, &h, sizeof(h));
+}
+#endif
+
+}  // namespace asyncllm

@@ -1,0 +1,88 @@
+"""The fused bf16 elementwise kernels (engine/kernels/csrc/cpu_elementwise.cpp) against torch.
+
+They follow transformers' bf16 op order (so results agree with torch's op-by-op computation up to
+one bf16 rounding step where an fp32 sum lands near a rounding boundary), update the residual in
+place, and reject what they cannot take. End to end, the bf16 engine with them on must produce
+the same greedy tokens as with them off (ASYNCLLM_CPU_KERNELS=0 keeps the torch ops).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_elementwise as fused
+from engine.layers.norm import rms_norm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert fused.load() is not None, "the CPU kernels did not build (see the log)"
+
+
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 representable steps apart a and b are, per element (same sign assumed)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """At most one bf16 step apart, rarely that; values both below 1e-30 count as equal (the kernel's
+    exp flushes results under ~1e-38 to 0 where torch keeps fp32 denormals)."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    steps = _bf16_steps(out, ref)
+    steps[(out.float().abs() < 1e-30) & (ref.float().abs() < 1e-30)] = 0
+    assert int(steps.max()) <= 1, f"off by {int(steps.max())} bf16 steps"
+    assert float((steps > 0).float().mean()) < 0.01  # and only rarely off at all
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (7, 576), (300, 576), (33, 1024)])
+def test_rms_norm_matches_transformers_bf16_op_order(rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    w = (torch.rand(width, generator=gen) + 0.5).bfloat16()
+    _close(fused.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+def test_add_rms_norm_updates_the_residual_in_place():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 576, generator=gen).bfloat16()
+    y = torch.randn(50, 576, generator=gen).bfloat16()
+    w = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    summed = x + y  # torch's bf16 add: the one rounding the kernel must reproduce exactly
+    ref = rms_norm(summed, w, 1e-6)
+    before = x.data_ptr()
+    h = fused.add_rms_norm_(x, y, w, 1e-6)
+    assert x.data_ptr() == before and torch.equal(x, summed)
+    _close(h, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 129])
+def test_silu_mul_matches_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 88.5, -88.5]).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = fused.silu_mul(gate_up)
+    _close(out, F.silu(gate) * up)
+    assert torch.isfinite(out).all()
+
+
+def test_bad_inputs_raise_not_crash():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    bad_norms = [
+        (x.float(), w.float()),  # fp32 stays on the torch ops
+        (torch.zeros(4, 60, dtype=torch.bfloat16), torch.ones(60, dtype=torch.bfloat16)),  # not a multiple of 16
+        (x, torch.ones(32, dtype=torch.bfloat16)),  # weight of the wrong size
+        (torch.zeros(2, 4, 64, dtype=torch.bfloat16), w),  # not [T, N]
+    ]
+    for xx, ww in bad_norms:
+        with pytest.raises(RuntimeError):
+            fused.rms_norm(xx, ww, 1e-6)
+    with pytest.raises(RuntimeError):
+        fused.add_rms_norm_(x, torch.zeros(3, 64, dtype=torch.bfloat16), w, 1e-6)
+    with pytest.raises(RuntimeError):
+        fused.silu_mul(torch.zeros(2, 48, dtype=torch.bfloat16))  # I = 24: not a multiple of 16
+    assert fused.supports(x) and not fused.supports(x.float())
