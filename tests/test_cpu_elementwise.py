@@ -86,3 +86,21 @@ def test_bad_inputs_raise_not_crash():
     with pytest.raises(RuntimeError):
         fused.silu_mul(torch.zeros(2, 48, dtype=torch.bfloat16))  # I = 24: not a multiple of 16
     assert fused.supports(x) and not fused.supports(x.float())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_is_bit_identical_to_torch(head_dim):
+    from engine.layers.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(head_dim)
+    t, heads, kv_heads = 37, 9, 3
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)  # strided rows, as in the model
+    ang = torch.rand(t, head_dim, generator=gen) * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    out = fused.rotary(qk, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, apply_rotary(qk, cos, sin))
+    with pytest.raises(RuntimeError):
+        fused.rotary(qk.float(), cos.float(), sin.float())
+    with pytest.raises(RuntimeError):
+        fused.rotary(qk, cos[:5], sin[:5])

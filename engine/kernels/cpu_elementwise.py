@@ -1,7 +1,7 @@
 """Fused bf16 elementwise ops of a decoder layer on CPUs (csrc/cpu_elementwise.cpp).
 
-RMSNorm (alone or after the residual add) and SiLU(gate) * up, each one pass over memory instead
-of torch's seven and two ops. They round like transformers' bf16 op order, but sum squares in
+RMSNorm (alone or after the residual add), SiLU(gate) * up and rotary embedding, each one pass over
+memory instead of torch's seven, two and four ops (rotary's result is bit-identical to torch's). They round like transformers' bf16 op order, but sum squares in
 another order, so a value can differ from torch's by one bf16 rounding step: they are used for
 bf16 only; fp32 keeps the torch ops, whose greedy output is token-identical to transformers'.
 """
@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["load", "supports", "rms_norm", "add_rms_norm_", "silu_mul"]
+__all__ = ["load", "supports", "rms_norm", "add_rms_norm_", "silu_mul", "rotary"]
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -33,3 +33,8 @@ def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: f
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a bf16 `[T, 2I]` gate|up slab (gate first), as `[T, I]`."""
     return module_or_raise().silu_mul(gate_up.contiguous())
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`layers.rotary.apply_rotary` for bf16 `[T, NH, D]` heads (rows may be a strided view), same bits."""
+    return module_or_raise().rotary(x, cos, signed_sin)

@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         self.o_dnn: OneDNNWeight | None = None
         self.gate_up_dnn: OneDNNWeight | None = None
         self.down_dnn: OneDNNWeight | None = None
-        # CPU bf16: RMSNorm, residual add + RMSNorm and SiLU-and-mul as fused C++ ops
+        # CPU bf16: RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary as fused C++ ops
         # (kernels/cpu_elementwise.py); set by LlamaForCausalLM.use_fused_cpu_ops.
         self.fused = False
 
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             qk = rms_norm(qk, self.qk_norm_weight(), eps)
-        qk = apply_rotary(qk, cos, sin)
+        qk = cpu_elementwise.rotary(qk, cos, sin) if self.fused else apply_rotary(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
         o = linear(attn, self.o_w, self.o_b, self.o_q4, self.o_dnn)
@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         on = (
             self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16
             and self.cfg.hidden_size % 16 == 0 and self.cfg.intermediate_size % 16 == 0
+            and self.cfg.head_dim % 32 == 0
             and cpu_elementwise.load() is not None
         )  # fmt: skip
         self.fused = on

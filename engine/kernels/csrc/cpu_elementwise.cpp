@@ -1,5 +1,5 @@
 // Fused elementwise ops of a decoder layer, bf16 on CPUs: RMSNorm (optionally after the residual
-// add) and SiLU(gate) * up.
+// add), SiLU(gate) * up, and rotary embedding.
 //
 // Why: torch runs transformers' RMSNorm as seven ops (to fp32, pow, mean, add, rsqrt, mul, to bf16,
 // mul) and SiLU-and-mul as two, each a pass over memory with its own dispatch; on the default
@@ -7,7 +7,8 @@
 //
 // Rounding follows transformers' bf16 op order: the normalised row is rounded to bf16 before the
 // weight multiply, whose product is rounded again; silu(gate) is rounded to bf16 before the
-// multiply by up; a residual sum is rounded to bf16. Sums of squares are fp32 in a different order
+// multiply by up; a residual sum is rounded to bf16; rotary rounds x*cos and x'*sin, then their
+// sum (so it is bit-identical to torch's three bf16 ops). Sums of squares are fp32 in a different order
 // than torch's mean, so a bf16 result can differ from torch's by one rounding step (fp32 models
 // keep the torch ops: their greedy output is token-identical to transformers').
 
@@ -105,6 +106,39 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         const v16f e = exp_nonpos(g > 0.0f ? -g : g);
         const v16f silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
         store16(round_bf16(silu) * u, op + t * I + i);
+      }
+  });
+  return out;
+}
+
+// Rotary embedding of x [T, NH, D] (rows may be strided: a view into the fused qkv output) with
+// cos / signed sin [T, D] (engine/layers/rotary.py): bf16(bf16(x * cos) + bf16(swap(x) * sin)),
+// swap(x) = (x2, x1), as a new contiguous [T, NH, D].
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rotary: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && cos.scalar_type() == torch::kBFloat16 &&
+                  sin.scalar_type() == torch::kBFloat16,
+              "rotary: bfloat16 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: x [T, NH, D], rows of D contiguous");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 32 == 0, "rotary: head_dim a multiple of 32");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: cos/sin [T, D] contiguous");
+  auto out = torch::empty({T, NH, D}, x.options());
+  const bf16 *xp = x.data_ptr<bf16>(), *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, T, grain_rows(NH * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < NH; ++h) {
+        const bf16* xr = xp + t * xs + h * D;
+        bf16* o = op + (t * NH + h) * D;
+        for (int64_t i = 0; i < D; i += 16) {
+          const v16f a = round_bf16(load16(xr + i) * load16(cp + t * D + i));
+          const v16f sw = load16(xr + (i < half ? i + half : i - half));
+          store16(a + round_bf16(sw * load16(sp + t * D + i)), o + i);
+        }
       }
   });
   return out;
