@@ -24,7 +24,7 @@ from engine.actors.messages import (
 )  # fmt: skip
 from engine.actors.output_processor import OutputProcessor
 from engine.actors.receiver import Prompt, Receiver
-from engine.actors.runtime import ActorSystem
+from engine.actors.supervisor import ActorSystem
 from engine.actors.scheduler import Scheduler
 from engine.actors.scheduler_actor import OverlapScheduler
 from engine.device_stream import make_device_stream

@@ -17,9 +17,9 @@ from engine.actors.runtime import (
     ActorState,
     ActorStats,
     ActorStoppedError,
-    ActorSystem,
     mailbox_codec,
 )
+from engine.actors.supervisor import ActorSystem
 
 T = 5.0  # per-test ceiling, seconds
 

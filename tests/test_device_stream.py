@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from engine import cuda_stream as cs
 from engine import device_stream as ds
-from engine.device_stream import CpuDeviceStream, CudaDeviceStream, DeviceHandle, make_device_stream
+from engine.cuda_stream import CudaDeviceStream
+from engine.device_stream import CpuDeviceStream, DeviceHandle, make_device_stream
 
 TIMEOUT = 5.0
 
@@ -197,7 +199,7 @@ def test_cupy_unavailable_selects_waiter_fallback() -> None:
         cupy_ok = False
     if cupy_ok:
         pytest.skip("CuPy has a device here; the fallback selection is checked without one")
-    assert ds._cupy_host_stream(0, 0) is None
+    assert cs._cupy_host_stream(0, 0) is None
 
 
 class _FakeEvent:
@@ -214,7 +216,7 @@ class _FakeEvent:
 
 async def test_event_waiter_fallback_delivers_in_order_and_surfaces_errors() -> None:
     loop = asyncio.get_running_loop()
-    waiter = ds._EventWaiter(device_index=None)
+    waiter = cs._EventWaiter(device_index=None)
     futures = [loop.create_future() for _ in range(3)]
     events = [_FakeEvent(0.03), _FakeEvent(0.0, RuntimeError("device fault")), _FakeEvent(0.0)]
     for i, (event, future) in enumerate(zip(events, futures, strict=True)):
@@ -241,14 +243,14 @@ async def test_host_callback_resolves_from_foreign_thread_and_tolerates_closed_l
 
     completion = ds._Completion(loop, future, True, "done", keepalive=object(), on_settle=settle)
     kept.add(completion)
-    threading.Thread(target=ds._host_callback, args=(completion,)).start()  # like CUDA's callback thread
+    threading.Thread(target=cs._host_callback, args=(completion,)).start()  # like CUDA's callback thread
     async with asyncio.timeout(TIMEOUT):
         assert await DeviceHandle(future) == "done"
     assert not kept and completion.keepalive is None  # references dropped only once settled
 
     dead = asyncio.new_event_loop()
     dead.close()
-    ds._host_callback(ds._Completion(dead, loop.create_future(), True, None))  # must not raise
+    cs._host_callback(ds._Completion(dead, loop.create_future(), True, None))  # must not raise
 
 
 class _SimStream:
@@ -309,7 +311,7 @@ async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.Monke
     launcher_stream = object()  # the launching thread's current stream
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: launcher_stream)
     host = _SimHostStream(fail_after)
-    monkeypatch.setattr(ds, "_cupy_host_stream", lambda ptr, index: host if fail_after else None)
+    monkeypatch.setattr(cs, "_cupy_host_stream", lambda ptr, index: host if fail_after else None)
 
     stream = make_device_stream("cuda")
     assert isinstance(stream, CudaDeviceStream) and stream.device == torch.device("cuda", 0)
@@ -355,7 +357,7 @@ def _matmul_chain(a: torch.Tensor, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("host_callbacks", [True, False], ids=["cupy-host-func", "waiter-thread"])
 async def test_cuda_stream_matmul_chain(monkeypatch: pytest.MonkeyPatch, host_callbacks: bool) -> None:
     if not host_callbacks:
-        monkeypatch.setattr(ds, "_cupy_host_stream", lambda ptr, index: None)
+        monkeypatch.setattr(cs, "_cupy_host_stream", lambda ptr, index: None)
     stream = CudaDeviceStream(torch.device("cuda"))
     if host_callbacks and not stream.uses_host_callbacks:
         pytest.skip("CuPy cannot drive this GPU")
