@@ -119,6 +119,20 @@ inline void softmax_chunk(const float* s, int n, float chunk_max, float& run_max
   for (int j = 0; j < 2 * DW; ++j) acc[j] = acc[j] * alpha;
 }
 
+// Hands tasks [0, n) out one at a time to torch's threads: their costs vary with the requests'
+// lengths, and a static split can leave one core idle at the end. body(claim) runs once per
+// thread (scratch set up once) and loops on claim(), which returns -1 when no task is left.
+template <typename Body>
+void run_dynamic(int64_t n, const Body& body) {
+  std::atomic<int64_t> next{0};
+  auto claim = [&]() -> int64_t {
+    const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+    return t < n ? t : -1;
+  };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(claim); });
+}
+
 template <int NV>
 void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                            const int64_t* slots, const int64_t* lens, c10::BFloat16* out, float* lse, int64_t B,
@@ -132,7 +146,12 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
   // adjacent in the pool) rather than one strided head at a time.
   const int64_t hpt = B >= 4 * at::get_num_threads() ? KVH : 1;
   const int64_t tasks_per_req = KVH / hpt;
-  at::parallel_for(0, B * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+  // Longest requests first, so the last tasks handed out are short ones.
+  std::vector<int64_t> order(B * tasks_per_req);
+  for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a / tasks_per_req] > lens[b / tasks_per_req]; });
+  run_dynamic(static_cast<int64_t>(order.size()), [&](const auto& claim) {
     const int HG = static_cast<int>(hpt) * G;  // query heads per task
     const int64_t p_stride = kChunk + kBlock;
     std::vector<__m512i> qv(HG * DW);
@@ -141,9 +160,14 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
     std::vector<v16f> acc(HG * 2 * DW), run_max_v(HG);
     std::vector<float> run_max(HG), run_sum(HG);
     std::vector<const c10::BFloat16*> krows(kChunk + kBlock), vrows(kChunk + kBlock);
-    for (int64_t task = begin; task < end; ++task) {
+    int64_t next = claim();
+    while (next >= 0) {
+      const int64_t task = order[next];
+      next = claim();  // known now, so its first rows can be prefetched while this task ends
       const int64_t b = task / tasks_per_req, kh0 = (task % tasks_per_req) * hpt, n = lens[b];
       const int64_t* sl = slots + b * max_len;
+      const int64_t nb = next >= 0 ? order[next] / tasks_per_req : -1;  // the next task's request
+      const int64_t next_n = nb >= 0 ? lens[nb] : 0, next_kh0 = next >= 0 ? (order[next] % tasks_per_req) * hpt : 0;
       const int64_t h0 = kh0 * G;  // first query head of the task
       for (int g = 0; g < HG; ++g) {
         for (int j = 0; j < DW; ++j) qv[g * DW + j] = load_bf16x32(q + (b * H + h0 + g) * D + 32 * j);
@@ -166,10 +190,12 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           // them), V too, so the P @ V pass finds this chunk's V rows in cache.
           // (Counted from the task's start, so the next chunk's first rows are on their way
           // during this chunk's P @ V pass.)
+          // Past this task's end the window runs on into the next task's first rows.
           const int64_t first = c0 + t0 == 0 ? 0 : c0 + t0 + kPrefetch * kBlock;
-          for (int64_t t = first; t < n && t < c0 + t0 + (kPrefetch + 1) * kBlock; ++t) {
-            const char* kr = reinterpret_cast<const char*>(kb + sl[t] * row + kh0 * D);
-            const char* vr = reinterpret_cast<const char*>(vb + sl[t] * row + kh0 * D);
+          for (int64_t t = first; t < n + next_n && t < c0 + t0 + (kPrefetch + 1) * kBlock; ++t) {
+            const int64_t off = t < n ? sl[t] * row + kh0 * D : slots[nb * max_len + t - n] * row + next_kh0 * D;
+            const char* kr = reinterpret_cast<const char*>(kb + off);
+            const char* vr = reinterpret_cast<const char*>(vb + off);
             for (int64_t byte = 0; byte < pf_bytes; byte += 64) {
               prefetch_l2(kr + byte);
               prefetch_l2(vr + byte);
@@ -275,20 +301,6 @@ inline void pv_rows(const __m512i* vi, const int32_t* pp, int64_t ppk, const int
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2 * DW; ++j) acc[r * 2 * DW + j] = a[r][j];
-}
-
-// Hands tasks [0, n) out one at a time to torch's threads: their costs vary with the requests'
-// lengths, and a static split can leave one core idle at the end. body(claim) runs once per
-// thread (scratch set up once) and loops on claim(), which returns -1 when no task is left.
-template <typename Body>
-void run_dynamic(int64_t n, const Body& body) {
-  std::atomic<int64_t> next{0};
-  auto claim = [&]() -> int64_t {
-    const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-    return t < n ? t : -1;
-  };
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(claim); });
 }
 
 template <int NV>
