@@ -162,6 +162,24 @@ def store_kv(
 
 
 # --------------------------------------------------------------------------------------------
+# shared: one online-softmax step
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one block of base-2 scores `qk` [rows, BLOCK_N] (masked columns -inf; every row has at
+    least one finite score overall) and its values `v` [BLOCK_N, D] into the running max, sum
+    and output accumulator. Inlined by Triton into each kernel."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# --------------------------------------------------------------------------------------------
 # decode: split-KV flash decoding with grouped query heads
 # --------------------------------------------------------------------------------------------
 
@@ -241,21 +259,13 @@ def _decode_stage1_kernel(
         )  # [BLOCK_DMODEL, BLOCK_N]
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-        # every block holds at least one valid position, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
         v = tl.load(
             V_Buffer + slots[:, None] * stride_buf_vs + cur_kv_head * stride_buf_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_DMODEL]
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_DMODEL]
+        # every block holds at least one valid position, so the running max stays finite
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     o_ptrs = Mid_O + cur_batch * stride_mid_ob + cur_heads[:, None] * stride_mid_oh + split_id * stride_mid_os
@@ -493,17 +503,12 @@ def _extend_kernel(
         )
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V_Buffer + slots[:, None] * stride_buf_vs + cur_kv_head * stride_buf_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     # 2) the new tokens themselves, causally; only blocks up to this query block's last row.
     #    Column 0 is visible to every row, so no row is ever fully masked.
@@ -519,17 +524,12 @@ def _extend_kernel(
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V_Extend + (ext_start + cols[:, None]) * stride_vt + cur_kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(
