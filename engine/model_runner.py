@@ -95,7 +95,7 @@ class ModelRunner:
         if n := model.prepack_onednn():
             log.info("oneDNN: %d dense weights prepacked", n)
         if model.use_fused_cpu_ops():
-            log.info("fused C++ RMSNorm / SiLU-and-mul on")
+            log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")
         return model
 
     def _init_memory(self) -> None:

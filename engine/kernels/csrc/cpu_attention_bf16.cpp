@@ -28,17 +28,17 @@ inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512i load_bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
 
 // Scores of G query heads (bf16 vectors qv[g][DW]) against 16 K rows; lanes >= cnt are -inf.
-// rows[t]: the K row of key t (rows past cnt repeat a valid row; their lanes are masked).
+// rows[t] + off: the K row of key t (rows past cnt repeat a valid row; their lanes are masked).
 template <int DW>
-inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* rows, int cnt, float scale, float* s,
-                        int64_t s_stride, v16f* run_max) {
+inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* rows, int64_t off, int cnt, float scale,
+                        float* s, int64_t s_stride, v16f* run_max) {
   const v16i valid = lanes_below(cnt);
   for (int g = 0; g < G; ++g) {
     v16f partial[kBlock];
     for (int t = 0; t < kBlock; ++t) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[g * DW]), as_bh(load_bf16x32(rows[t])));
-      for (int j = 1; j < DW; ++j)
-        a = _mm512_dpbf16_ps(a, as_bh(qv[g * DW + j]), as_bh(load_bf16x32(rows[t] + 32 * j)));
+      const c10::BFloat16* row = rows[t] + off;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[g * DW]), as_bh(load_bf16x32(row)));
+      for (int j = 1; j < DW; ++j) a = _mm512_dpbf16_ps(a, as_bh(qv[g * DW + j]), as_bh(load_bf16x32(row + 32 * j)));
       partial[t] = (v16f)a;
     }
     v16f sc = transpose_sum16(partial) * scale;
@@ -49,15 +49,17 @@ inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* ro
 }
 
 // P @ V for HG heads over n keys: acc[g][2 * DW] (lanes in unpacklo/unpackhi order, see
-// store_unpacked) += sum_t p[g][t] * V[t]. p holds bf16 pairs (an even count, zero-padded).
+// store_unpacked) += sum_t p[g][t] * V[t], V[t] = vrows[t] + off. p holds bf16 pairs (an even
+// count, zero-padded).
 template <int DW, int HG>
-inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int n, v16f* acc) {
+inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int64_t off, int n,
+                     v16f* acc) {
   __m512 a[HG][2 * DW];
   for (int g = 0; g < HG; ++g)
     for (int j = 0; j < 2 * DW; ++j) a[g][j] = (__m512)acc[g * 2 * DW + j];
   for (int t = 0; t < n; t += 2) {
-    const c10::BFloat16* r0 = vrows[t];
-    const c10::BFloat16* r1 = t + 1 < n ? vrows[t + 1] : r0;  // its p is 0
+    const c10::BFloat16* r0 = vrows[t] + off;
+    const c10::BFloat16* r1 = t + 1 < n ? vrows[t + 1] + off : r0;  // its p is 0
     __m512i lo[DW], hi[DW];
     for (int j = 0; j < DW; ++j) {
       const __m512i v0 = load_bf16x32(r0 + 32 * j), v1 = load_bf16x32(r1 + 32 * j);
@@ -80,12 +82,13 @@ inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* c
 
 // Runs pv_pairs over G heads in groups that keep every accumulator in a register.
 template <int DW>
-inline void pv_heads(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int n, v16f* acc, int G) {
+inline void pv_heads(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int64_t off, int n,
+                     v16f* acc, int G) {
   constexpr int kMaxGroup = 8 / DW;  // 2 * DW accumulators per head, 16 in all
   int g = 0;
   for (; g + kMaxGroup <= G; g += kMaxGroup)
-    pv_pairs<DW, kMaxGroup>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
-  for (; g < G; ++g) pv_pairs<DW, 1>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
+    pv_pairs<DW, kMaxGroup>(p + g * p_stride, p_stride, vrows, off, n, acc + g * 2 * DW);
+  for (; g < G; ++g) pv_pairs<DW, 1>(p + g * p_stride, p_stride, vrows, off, n, acc + g * 2 * DW);
 }
 
 // acc lanes back to dimension order: unpacklo/hi_epi16 interleave within 128-bit lanes, so lane
@@ -159,7 +162,7 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
     std::vector<uint16_t> p(HG * p_stride);
     std::vector<v16f> acc(HG * 2 * DW), run_max_v(HG);
     std::vector<float> run_max(HG), run_sum(HG);
-    std::vector<const c10::BFloat16*> krows(kChunk + kBlock), vrows(kChunk + kBlock);
+    std::vector<const c10::BFloat16*> krows(kChunk + kBlock), vrows(kChunk);
     int64_t next = claim();
     while (next >= 0) {
       const int64_t task = order[next];
@@ -183,14 +186,13 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           krows[t] = kb + off;
           vrows[t] = vb + off;
         }
-        for (int t = cn; t < kChunk + kBlock; ++t) krows[t] = vrows[t] = krows[0];
+        for (int t = cn; t < kChunk + kBlock; ++t) krows[t] = krows[0];  // score_block reads whole blocks
         for (int g = 0; g < HG; ++g) run_max_v[g] = splat(-std::numeric_limits<float>::infinity());
         for (int t0 = 0; t0 < cn; t0 += kBlock) {
-          // Records kPrefetch blocks ahead (the slots are scattered: the hardware cannot guess
-          // them), V too, so the P @ V pass finds this chunk's V rows in cache.
-          // (Counted from the task's start, so the next chunk's first rows are on their way
-          // during this chunk's P @ V pass.)
-          // Past this task's end the window runs on into the next task's first rows.
+          // K and V records kPrefetch blocks ahead (the slots are scattered: the hardware cannot
+          // guess them), so the P @ V pass finds this chunk's V rows in cache. The window counts
+          // from the task's start and runs on past its end into the next task's first rows, so
+          // the next chunk's (or task's) rows are on their way during this chunk's P @ V pass.
           const int64_t first = c0 + t0 == 0 ? 0 : c0 + t0 + kPrefetch * kBlock;
           for (int64_t t = first; t < n + next_n && t < c0 + t0 + (kPrefetch + 1) * kBlock; ++t) {
             const int64_t off = t < n ? sl[t] * row + kh0 * D : slots[nb * max_len + t - n] * row + next_kh0 * D;
@@ -202,12 +204,9 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
             }
           }
           const int cnt = cn - t0 < kBlock ? cn - t0 : kBlock;
-          for (int64_t k = 0; k < hpt; ++k) {
-            const c10::BFloat16* rows[kBlock];
-            for (int t = 0; t < kBlock; ++t) rows[t] = krows[t0 + t] + k * D;
-            score_block<DW>(qv.data() + k * G * DW, G, rows, cnt, scale, s.data() + k * G * kChunk + t0, kChunk,
-                            run_max_v.data() + k * G);
-          }
+          for (int64_t k = 0; k < hpt; ++k)
+            score_block<DW>(qv.data() + k * G * DW, G, krows.data() + t0, k * D, cnt, scale,
+                            s.data() + k * G * kChunk + t0, kChunk, run_max_v.data() + k * G);
         }
         const int padded = (cn + 1) & ~1;
         for (int g = 0; g < HG; ++g) {
@@ -216,12 +215,8 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
                             acc.data() + g * 2 * DW, pg);
           if (padded > cn) pg[cn] = 0;
         }
-        for (int64_t k = 0; k < hpt; ++k) {
-          const c10::BFloat16* const* vr = vrows.data();
-          std::vector<const c10::BFloat16*>& shifted = krows;  // reuse: K rows are done with
-          for (int t = 0; t < cn; ++t) shifted[t] = vr[t] + k * D;
-          pv_heads<DW>(p.data() + k * G * p_stride, p_stride, shifted.data(), cn, acc.data() + k * G * 2 * DW, G);
-        }
+        for (int64_t k = 0; k < hpt; ++k)
+          pv_heads<DW>(p.data() + k * G * p_stride, p_stride, vrows.data(), k * D, cn, acc.data() + k * G * 2 * DW, G);
       }
       for (int g = 0; g < HG; ++g) {
         store_unpacked<DW>(acc.data() + g * 2 * DW, 1.0f / run_sum[g], out + (b * H + h0 + g) * D);
@@ -330,7 +325,7 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
   run_dynamic(static_cast<int64_t>(tasks.size()), [&](const auto& claim) {
     std::vector<__m512i> qt(DP * G), pp(kKeys / 2 * G), vi(kKeys / 2 * 2 * DW);
     std::vector<__m512> S(kKeys * G), acc(G * kQueries * 2 * DW), run_max(G), run_sum(G), alpha(G);
-    std::vector<const c10::BFloat16*> krows(kKeys + 8), vrows(kKeys + 8);
+    std::vector<const c10::BFloat16*> krows(kKeys + 8), vrows(kKeys);
     for (int64_t ti = claim(); ti >= 0; ti = claim()) {
       const Task& task = tasks[ti];
       const int64_t r = task.r, i0 = task.i0, kh = task.kh;
@@ -356,7 +351,7 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           krows[k] = kb + off;
           vrows[k] = vb + off;
         }
-        for (int k = cn; k < kKeys + 8; ++k) krows[k] = vrows[k] = krows[0];
+        for (int k = cn; k < kKeys + 8; ++k) krows[k] = krows[0];  // score tiles read 8 keys at a time
         // The next chunk's rows, into L2 while this one computes.
         for (int64_t t = c0 + kKeys; t <= last_pos && t < c0 + 2 * kKeys; ++t)
           for (int64_t byte = 0; byte < D * 2; byte += 64) {
