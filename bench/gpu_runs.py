@@ -18,7 +18,7 @@ import torch
 from bench.gpu_metrics import STEP_PREFIX, copy_bandwidth, idle_between_steps, step_spans
 
 if TYPE_CHECKING:  # engine and transformers are imported where used: `--help` stays fast
-    from engine.model_runner import ModelRunner
+    from engine.model_executor.model_runner import ModelRunner
     from engine.models.loader import ModelSource
 
 # Qwen2.5-0.5B's shape (random weights are built from it).
@@ -71,7 +71,7 @@ def build_random_qwen(folder: Path, shape: dict[str, Any] = QWEN_SHAPE, device: 
 def build_runner(model_path: str, max_bs: int, context_len: int, tokens: int) -> ModelRunner:
     """Our runner on the GPU: bf16, Triton attention, decode graphs up to `max_bs`, a KV pool of
     `tokens` (explicit, so both models get what the benchmark needs whatever the GPU's size)."""
-    from engine.model_runner import ModelRunner
+    from engine.model_executor.model_runner import ModelRunner
     from engine.server_args import ServerArgs
 
     args = ServerArgs(model_path=model_path, dtype="bfloat16", device="cuda", attention_backend="triton",
@@ -99,7 +99,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 def ours_batch(runner: ModelRunner, prompts: list[list[int]], steps: int, graphs: bool) -> tuple[float, float]:
     """(prefill seconds, median decode-step seconds) of one static batch; frees it all after."""
     from engine.sampling import SamplingParams
-    from engine.schedule_batch import Req, ScheduleBatch
+    from engine.scheduler.batch import Req, ScheduleBatch
 
     saved, runner.graph_runner = runner.graph_runner, (runner.graph_runner if graphs else None)
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from bench.gpu_runs import hf_batch, ours_batch  # noqa: E402
 from bench.offline import load_hf  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from engine.models.loader import resolve_model  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import uvloop  # noqa: E402
 
 from engine import Engine, SamplingParams  # noqa: E402
-from engine.schedule_batch import ModelWorkerBatch  # noqa: E402
+from engine.model_executor.forward_batch_info import ModelWorkerBatch  # noqa: E402
 
 
 async def run_one(args: argparse.Namespace, overlap: bool) -> dict[str, float]:

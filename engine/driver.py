@@ -13,9 +13,9 @@ import random
 import torch
 
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.schedule_batch import Req, ScheduleBatch
+from engine.scheduler.batch import Req, ScheduleBatch
 
 _rid_counter = itertools.count()
 

@@ -30,7 +30,7 @@ from engine.actors.scheduler_actor import OverlapScheduler
 from engine.device_stream import make_device_stream
 from engine.driver import eos_token_ids
 from engine.errors import EngineUnhealthyError
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
 

@@ -23,10 +23,15 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     hidden_act: str
     context_len: int
+    # Token ids that end a generation (unless ignore_eos): the config's eos_token_id plus
+    # generation_config.json's, i.e. what transformers' generate stops on.
+    eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
-    def from_hf(cls, hf_config, architecture: str) -> "ModelConfig":
+    def from_hf(cls, hf_config, architecture: str, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
         c = hf_config
+        eos = getattr(c, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []) | set(generation_eos)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         is_qwen2 = architecture == "Qwen2ForCausalLM"
@@ -48,4 +53,5 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             hidden_act=getattr(c, "hidden_act", "silu"),
             context_len=getattr(c, "max_position_embeddings", 2048),
+            eos_token_ids=frozenset(eos),
         )

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.actors.scheduler import Scheduler  # noqa: E402
-from engine.cuda_graph_runner import DecodeGraphRunner, padded_batch_size  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.model_executor.cuda_graph_runner import DecodeGraphRunner, padded_batch_size  # noqa: E402
+from engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from engine.scheduler.batch import Req, ScheduleBatch  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts, run_sync  # noqa: E402
 

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.actors.scheduler import Scheduler
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.schedule_batch import Req
+from engine.scheduler.batch import Req
 from engine.server_args import ServerArgs
 
 TINY_VOCAB = 512

@@ -16,12 +16,12 @@ import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine import Engine
-from engine.forward_batch import ForwardBatch
+from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.layers import attention_torch, shared_prefix
 from engine.layers.attention_torch import TorchAttnBackend
 from engine.layers.shared_prefix import plan_shared_prefix
 from engine.sampling import SamplingParams
-from engine.schedule_batch import ForwardMode
+from engine.model_executor.forward_batch_info import ForwardMode
 from engine.server_args import ServerArgs
 from tests.hf_reference import hf_greedy_outputs
 

@@ -18,13 +18,13 @@ import torch
 
 import engine.layers.attention_backend as ab
 import tests.gpu_path_checks as checks
-from engine.cuda_graph_runner import (
+from engine.model_executor.cuda_graph_runner import (
     PAD_REQ_ROW, PAD_SLOT, StaticDecodeInputs, capture_batch_sizes, cuda_graphs_apply, graph_memory_estimate,
     padded_batch_size, resolve_cuda_graph_max_bs,
 )  # fmt: skip
 from engine.errors import InvalidRequestError
-from engine.host_transfer import DeviceToHost, host_to_device
-from engine.model_runner import ModelRunner
+from engine.model_executor.host_transfer import DeviceToHost, host_to_device
+from engine.model_executor.model_runner import ModelRunner
 from engine.server_args import ServerArgs
 from server.cli import parse_args
 from tests.sched_harness import make_runner, make_tiny_llama

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.driver import SyncDriver, eos_token_ids
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
 from tests.hf_reference import hf_greedy_outputs

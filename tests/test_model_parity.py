@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.schedule_batch import Req, ScheduleBatch
+from engine.scheduler.batch import Req, ScheduleBatch
 from engine.server_args import ServerArgs
 
 VOCAB = 160

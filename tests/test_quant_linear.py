@@ -19,11 +19,11 @@ from engine.driver import SyncDriver
 from engine.errors import InvalidRequestError
 from engine.layers import quant_linear
 from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear
-from engine.model_runner import ModelRunner
+from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_weights import q4_blocks
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.schedule_batch import Req, ScheduleBatch
+from engine.scheduler.batch import Req, ScheduleBatch
 from engine.server_args import ServerArgs
 from server.cli import parse_args
 from tests.sched_harness import make_tiny_llama

@@ -14,7 +14,7 @@ import torch
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.cache.radix_cache import ChunkCache, RadixCache, TreeNode
 from engine.sampling import SamplingParams
-from engine.schedule_batch import Req, ScheduleBatch
+from engine.scheduler.batch import Req, ScheduleBatch
 
 torch.set_num_threads(1)
 

@@ -29,7 +29,7 @@ def launched(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(launched, default_source, default_tokenizer):
     """Greedy results of the in-process engine on the same weights and dtype."""
-    from engine.model_runner import ModelRunner
+    from engine.model_executor.model_runner import ModelRunner
 
     engine = Engine("smollm2-135m", dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
     # Reuse the session's tokenizer and source: building the GGUF tokenizer again costs ~15 s.

@@ -97,8 +97,8 @@ def test_import_without_gpu_and_clear_error():
         assert "engine.kernels.triton_attention" not in sys.modules, "the kernels were imported eagerly"
         from engine.layers.attention_triton import TritonAttnBackend
         from engine.cache.memory_pool import KVCache, ReqToTokenPool
-        from engine.forward_batch import ForwardBatch
-        from engine.schedule_batch import ForwardMode
+        from engine.model_executor.forward_batch_info import ForwardBatch
+        from engine.model_executor.forward_batch_info import ForwardMode
 
         be = TritonAttnBackend(4, 2, 16, 0.25)
         rtp = ReqToTokenPool(2, 8)

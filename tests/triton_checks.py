@@ -165,10 +165,10 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
 
 def check_backend(device, gen, dtype, page_size, layers):
     from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-    from engine.forward_batch import ForwardBatch
+    from engine.model_executor.forward_batch_info import ForwardBatch
     from engine.layers.attention_torch import TorchAttnBackend
     from engine.layers.attention_triton import TritonAttnBackend
-    from engine.schedule_batch import ForwardMode
+    from engine.model_executor.forward_batch_info import ForwardMode
 
     h, kvh, d = 4, 2, 24
     scale = d**-0.5

@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, field
 
 from engine.cache.radix_cache import BasePrefixCache
-from engine.schedule_batch import Req
+from engine.scheduler.batch import Req
 
 # A running request's future need is estimated from at most this many of its remaining tokens.
 CLIP_MAX_NEW_TOKENS = 4096

@@ -24,8 +24,9 @@ import torch
 from engine.actors.messages import BatchTokenOut
 from engine.actors.prefill_adder import PrefillAdder, SchedulePolicy
 from engine.cache.radix_cache import BasePrefixCache, ChunkCache, RadixCache
-from engine.model_runner import GenerationBatchResult, ModelRunner
-from engine.schedule_batch import Finished, FinishReason, ForwardMode, Req, ScheduleBatch
+from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
+from engine.model_executor.forward_batch_info import ForwardMode
+from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from engine.actors.messages import (
 from engine.actors.runtime import Actor
 from engine.actors.scheduler import LaunchedBatch, MemoryLeakError, Scheduler, _append, _empty_out
 from engine.device_stream import DeviceHandle, DeviceStream
-from engine.schedule_batch import FinishReason, Req
-from engine.schedule_batch import _has_penalties as has_penalties
+from engine.scheduler.batch import FinishReason, Req
+from engine.scheduler.batch import _has_penalties as has_penalties
 
 log = logging.getLogger(__name__)
 

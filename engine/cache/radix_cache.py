@@ -37,7 +37,7 @@ import torch
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 if TYPE_CHECKING:
-    from engine.schedule_batch import Req
+    from engine.scheduler.batch import Req
 
 ChildKey = int | tuple[int, ...]
 

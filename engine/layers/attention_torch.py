@@ -33,7 +33,7 @@ from engine.kernels import cpu_attention
 from engine.layers.shared_prefix import SharedPrefixPlan, plan_shared_prefix
 
 if TYPE_CHECKING:
-    from engine.forward_batch import ForwardBatch
+    from engine.model_executor.forward_batch_info import ForwardBatch
 
 
 @dataclass

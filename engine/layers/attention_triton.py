@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.host_transfer import host_to_device
+from engine.model_executor.host_transfer import host_to_device
 
 if TYPE_CHECKING:
-    from engine.forward_batch import ForwardBatch
+    from engine.model_executor.forward_batch_info import ForwardBatch
 
 _kernels_module = None
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.forward_batch import ForwardBatch
+from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.kernels import cpu_elementwise
 from engine.layers.norm import rms_norm
 from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear

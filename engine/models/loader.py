@@ -52,6 +52,8 @@ class ModelSource:
     architecture: str
     weight_files: tuple[Path, ...] = ()  # safetensors files, in load order; empty for GGUF
     _gguf_index: GGUFIndex | None = field(default=None, repr=False)
+    # generation_config.json's eos_token_id (what transformers' generate stops on), when present
+    generation_eos: tuple[int, ...] = ()
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The transformers tokenizer stored next to the weights (or inside the GGUF)."""
@@ -147,7 +149,20 @@ def _resolve_hf_folder(folder: Path) -> ModelSource:
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as e:
         raise ModelLoadError(f"cannot load the config in {folder}: {e}") from e
-    return ModelSource(folder, None, hf_config, architecture, weight_files)
+    return ModelSource(folder, None, hf_config, architecture, weight_files, None, _generation_eos(folder))
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    """EOS ids of `generation_config.json`: transformers' generate stops on these (often more than
+    the model config's, e.g. a chat model's end-of-turn and end-of-text tokens)."""
+    file = folder / "generation_config.json"
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from e
+    ids = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = ids if isinstance(ids, list) else [ids]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
 def _resolve_gguf(path: Path) -> ModelSource:

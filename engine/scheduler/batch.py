@@ -19,23 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from engine.sampling import SamplingBatchInfo, SamplingParams
 
 if TYPE_CHECKING:
     from engine.cache.radix_cache import BasePrefixCache
-
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1  # prefill, possibly on top of a cached prefix, possibly one chunk of a prompt
-    DECODE = 2  # one new token per request
-    MIXED = 3  # extend chunk(s) and decodes in one forward
-    IDLE = 4  # nothing to run
-
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
 
 
 class FinishReason(enum.Enum):
@@ -135,23 +123,6 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
-
-
-@dataclass
-class ModelWorkerBatch:
-    """What the model worker needs to run one forward and sample (no scheduler state)."""
-
-    forward_mode: ForwardMode
-    # None for decode under overlap: the runner gathers last sampled ids by req_pool_indices.
-    input_ids: torch.Tensor | None
-    req_pool_indices: torch.Tensor  # int64 [B]
-    seq_lens: torch.Tensor  # int64 [B], lengths after this forward
-    out_cache_loc: torch.Tensor  # int64 [num_new_tokens], KV slots written by this forward
-    seq_lens_cpu: list[int]
-    extend_seq_lens: list[int] = field(default_factory=list)  # new tokens per request (extend)
-    extend_prefix_lens: list[int] = field(default_factory=list)  # cached tokens per request
-    sampling_info: SamplingBatchInfo | None = None
-    return_prompt_logits: bool = False  # logits at every new position (prompt logprobs, tests)
 
 
 @dataclass

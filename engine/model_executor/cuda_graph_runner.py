@@ -40,9 +40,9 @@ import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine.errors import InvalidRequestError
-from engine.forward_batch import ForwardBatch
-from engine.host_transfer import host_to_device
-from engine.schedule_batch import ForwardMode, ModelWorkerBatch
+from engine.model_executor.forward_batch_info import ForwardBatch
+from engine.model_executor.host_transfer import host_to_device
+from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 
 log = logging.getLogger(__name__)
 

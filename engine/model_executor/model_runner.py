@@ -16,17 +16,17 @@ import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
 from engine.errors import ModelLoadError
-from engine.cuda_graph_runner import (
+from engine.model_executor.cuda_graph_runner import (
     DecodeGraphRunner, capture_batch_sizes, cuda_graphs_apply, graph_memory_estimate, resolve_cuda_graph_max_bs,
 )  # fmt: skip
-from engine.forward_batch import ForwardBatch
-from engine.host_transfer import DeviceToHost, host_to_device
+from engine.model_executor.forward_batch_info import ForwardBatch
+from engine.model_executor.host_transfer import DeviceToHost, host_to_device
 from engine.layers.attention_backend import create_attention_backend, resolve_attention_backend
 from engine.model_config import ModelConfig
 from engine.models.llama import MODEL_CLASSES
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
-from engine.schedule_batch import ModelWorkerBatch
+from engine.model_executor.forward_batch_info import ModelWorkerBatch
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ModelRunner:
         self.use_cuda_graph = cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
         self.cuda_graph_max_bs = resolve_cuda_graph_max_bs(args.cuda_graph_max_bs, args.max_running_requests)
         self.source = source or resolve_model(args.model_path)
-        self.model_config = cfg = ModelConfig.from_hf(self.source.hf_config, self.source.architecture)
+        self.model_config = cfg = ModelConfig.from_hf(self.source.hf_config, self.source.architecture, self.source.generation_eos)
         self.context_len = args.context_length or cfg.context_len
         self.model = self._load_model()
         self._init_memory()
