@@ -36,13 +36,22 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from bench.gpu_metrics import bandwidth_floor_s, format_table  # noqa: E402
-from bench.gpu_runs import (  # noqa: E402
-    build_random_qwen, build_runner, engine_generate, hf_batch, hf_generate_batch, load_hf, measure_copy_bandwidth,
-    ours_batch, random_prompts,
-)  # fmt: skip
+from bench.gpu_metrics import bandwidth_floor_s, format_table
+from bench.gpu_runs import (
+    build_random_qwen,
+    build_sync,
+    engine_generate,
+    engine_options,
+    hf_batch,
+    hf_generate_batch,
+    load_hf,
+    measure_copy_bandwidth,
+    ours_batch,
+    parameter_count,
+    random_prompts,
+)
 
 QWEN_RANDOM = "qwen2.5-0.5b-random"
 MODELS = ("smollm2-135m", QWEN_RANDOM)
@@ -50,8 +59,9 @@ ERRORS: list[str] = []
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", nargs="+", default=list(MODELS), help=f"{MODELS[0]}, {QWEN_RANDOM}, or a model path")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 256])
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens per request = decode context")
@@ -74,21 +84,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def require_cuda() -> torch.device:
     """The GPU, or exit 2 with a message saying why there is none."""
     if not torch.cuda.is_available():
-        print(f"bench.gpu needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch.__version__}, "
-              f"built for CUDA {torch.version.cuda}); run it on a machine with a GPU.", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench.gpu needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}); run it on a machine with a GPU.",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return torch.device("cuda")
 
 
-def attempt(label: str, fn: Callable[[], Any]) -> Any:
-    """fn(), or the string 'error' (and the reason in ERRORS) if it raises: one failure keeps the rest.
-    Progress goes to stderr, so a long run shows where it is."""
+def attempt(label: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or the string 'error' (and the reason in ERRORS) if it raises: one failure keeps
+    the rest. Progress goes to stderr, so a long run shows where it is."""
     t0 = time.perf_counter()
     try:
-        value = fn()
+        value = fn(*args)
         print(f"[{time.perf_counter() - t0:6.1f}s] {label}", file=sys.stderr, flush=True)
         return value
-    except Exception as e:  # noqa: BLE001 - reported below the tables
+    except Exception as e:
         print(f"[{time.perf_counter() - t0:6.1f}s] {label}: FAILED {e!r}", file=sys.stderr, flush=True)
         ERRORS.append(f"{label}: {type(e).__name__}: {e}")
         if torch.cuda.is_available():
@@ -99,71 +112,116 @@ def attempt(label: str, fn: Callable[[], Any]) -> Any:
 # ---- one model ----------------------------------------------------------------------------------
 
 
+def _free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path) -> dict[str, list[list[Any]]]:
-    from engine.cache.memory_pool import KVCache
+    from engine import resolve_model
 
     path = build_random_qwen(tmp / "qwen") if name == QWEN_RANDOM else name
+    source = resolve_model(path)
+    cfg = source.hf_config
+    vocab = cfg.vocab_size
     max_bs = max(*args.batch_sizes, args.throughput_requests, args.idle_batch)
     context = args.input_len + max(args.decode_steps, args.output_len, args.idle_steps) + 16
-    runner = build_runner(path, max_bs, context, max_bs * context + 64)
-    cfg = runner.model_config
-    vocab = cfg.vocab_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
-    hf = None if args.skip_hf else attempt(f"{name} load transformers", lambda: load_hf(runner.source))
+    options = engine_options(max_bs, context, max_bs * context + 64)
+    hf = None if args.skip_hf else attempt(f"{name} load transformers", load_hf, source)
+    weight_bytes = 2 * parameter_count(cfg)  # bf16
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 2  # K and V, bf16
     out: dict[str, list[list[Any]]] = {"decode": [], "prefill": [], "throughput": [], "idle": []}
-    for bs in args.batch_sizes:
-        prompts = random_prompts(bs, args.input_len, vocab, seed=bs)
-        attempt(f"{name} bs={bs} warm-up", lambda: ours_batch(runner, prompts[:1], 2, graphs=True))  # compiles kernels
-        g = attempt(f"{name} bs={bs} ours graphs", lambda: ours_batch(runner, prompts, args.decode_steps, True))
-        e = attempt(f"{name} bs={bs} ours eager", lambda: ours_batch(runner, prompts, args.decode_steps, False))
-        h = "error" if hf in (None, "error") else attempt(
-            f"{name} bs={bs} transformers", lambda: hf_batch(hf, prompts, args.decode_steps))  # fmt: skip
+    batches = {bs: random_prompts(bs, args.input_len, vocab, seed=bs) for bs in args.batch_sizes}
+    timings: dict[tuple[int, bool], Any] = {}
+    for graphs in (True, False):
+        kind = "graphs" if graphs else "eager"
+        sync = attempt(f"{name} build ({kind})", build_sync, path, **{**options, "disable_cuda_graph": not graphs})
+        for bs, prompts in batches.items():
+            if sync == "error":
+                timings[bs, graphs] = "error"
+                continue
+            attempt(f"{name} bs={bs} warm-up", ours_batch, sync, prompts[:1], 2)  # compiles kernels
+            timings[bs, graphs] = attempt(f"{name} bs={bs} ours {kind}", ours_batch, sync, prompts, args.decode_steps)
+        del sync
+        _free_gpu()
+    for bs, prompts in batches.items():
+        g, e = timings[bs, True], timings[bs, False]
+        h = (
+            "error"
+            if hf in (None, "error")
+            else attempt(f"{name} transformers", hf_batch, hf, prompts, args.decode_steps)
+        )
         ctx = [args.input_len + args.decode_steps // 2 + 1] * bs  # the median step's context
         floor = bandwidth_floor_s(weight_bytes, kv_per_token, ctx, bandwidth)
         ms = {k: (v[1] * 1e3 if isinstance(v, tuple) else None) for k, v in (("g", g), ("e", e), ("h", h))}
-        out["decode"].append([name, bs, floor * 1e3, ms["g"], ms["e"], None if hf is None else ms["h"],
-                              ms["g"] / (floor * 1e3) if ms["g"] else None])  # fmt: skip
+        out["decode"].append(
+            [
+                name,
+                bs,
+                floor * 1e3,
+                ms["g"],
+                ms["e"],
+                None if hf is None else ms["h"],
+                ms["g"] / (floor * 1e3) if ms["g"] else None,
+            ]
+        )
         tok = bs * args.input_len
         tps = {k: (tok / v[0] if isinstance(v, tuple) else None) for k, v in (("g", g), ("h", h))}
         speedup = tps["g"] / tps["h"] if tps["g"] and tps["h"] else None
         out["prefill"].append([name, bs, tok, tps["g"], tps["h"], speedup])
     prompts = random_prompts(args.throughput_requests, args.input_len, vocab, seed=1)
-    ours_tps = attempt(f"{name} engine throughput",
-                       lambda: engine_generate(runner, prompts, args.output_len, True, True))  # fmt: skip
-    hf_r = None if hf in (None, "error") else attempt(
-        f"{name} transformers generate_batch", lambda: hf_generate_batch(hf, prompts, args.output_len))  # fmt: skip
+    ours_tps = attempt(f"{name} engine throughput", engine_generate, path, options, prompts, args.output_len, True)
+    hf_r = None
+    if hf not in (None, "error"):
+        hf_r = attempt(f"{name} transformers generate_batch", hf_generate_batch, hf, prompts, args.output_len)
     hf_tps, hf_len = hf_r if isinstance(hf_r, tuple) else (hf_r, None)
     ratio = ours_tps / hf_tps if isinstance(ours_tps, float) and isinstance(hf_tps, float) else None
-    out["throughput"].append([name, f"{args.throughput_requests}x{args.input_len}+{args.output_len}", ours_tps, hf_tps,
-                              hf_len, ratio])  # fmt: skip
+    out["throughput"].append(
+        [name, f"{args.throughput_requests}x{args.input_len}+{args.output_len}", ours_tps, hf_tps, hf_len, ratio]
+    )
     idle_prompts = random_prompts(args.idle_batch, min(args.input_len, 128), vocab, seed=2)
     for overlap in (True, False):
         for graphs in (True, False):
             trace = tmp / f"trace-{overlap}-{graphs}.json"
-            r = attempt(f"{name} idle overlap={overlap} graphs={graphs}", lambda: engine_generate(
-                runner, idle_prompts, args.idle_steps, overlap, graphs, trace))  # fmt: skip
+            opts = {**options, "disable_cuda_graph": not graphs}
+            label = f"{name} idle overlap={overlap} graphs={graphs}"
+            r = attempt(label, engine_generate, path, opts, idle_prompts, args.idle_steps, overlap, trace)
             frac, gap, pairs = r if isinstance(r, tuple) else ("error", None, None)
             if pairs == 0:  # no two consecutive decode steps with GPU work in the trace
                 frac = gap = None
-            out["idle"].append([name, "on" if overlap else "off", "on" if graphs else "off",
-                                frac * 100 if isinstance(frac, float) else frac, gap, pairs])  # fmt: skip
-    del runner, hf
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+            out["idle"].append(
+                [
+                    name,
+                    "on" if overlap else "off",
+                    "on" if graphs else "off",
+                    frac * 100 if isinstance(frac, float) else frac,
+                    gap,
+                    pairs,
+                ]
+            )
+    del hf
+    _free_gpu()
     return out
 
 
 TABLES = {
-    "decode": ("decode step (ms, synchronous)", ["model", "batch", "floor", "ours graphs", "ours eager", "transformers",
-                                                 "graphs/floor"]),
+    "decode": (
+        "decode step (ms, synchronous)",
+        ["model", "batch", "floor", "ours graphs", "ours eager", "transformers", "graphs/floor"],
+    ),
     "prefill": ("prefill throughput (tokens/s)", ["model", "batch", "tokens", "ours", "transformers", "ours/tf"]),
-    "throughput": ("generation throughput (output tokens/s)", ["model", "requests x in+out", "ours",
-                                                                "tf generate_batch", "tf out/req", "ours/tf"]),
-    "idle": ("GPU idle between consecutive decode steps (traced)", ["model", "overlap", "graphs", "idle %",
-                                                                    "mean gap us", "step pairs"]),
-}  # fmt: skip
+    "throughput": (
+        "generation throughput (output tokens/s)",
+        ["model", "requests x in+out", "ours", "tf generate_batch", "tf out/req", "ours/tf"],
+    ),
+    "idle": (
+        "GPU idle between consecutive decode steps (traced)",
+        ["model", "overlap", "graphs", "idle %", "mean gap us", "step pairs"],
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,14 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     bandwidth = measure_copy_bandwidth(device)
-    print(f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} triton {triton.__version__} "
-          f"transformers {transformers.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s | bf16 | "
-          f"input_len={args.input_len} decode_steps={args.decode_steps} | {time.strftime('%Y-%m-%d %H:%M')}",
-          flush=True)  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} triton {triton.__version__} "
+        f"transformers {transformers.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s | bf16 | "
+        f"input_len={args.input_len} decode_steps={args.decode_steps} | {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     results: dict[str, list[list[Any]]] = {k: [] for k in TABLES}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            r = attempt(f"{name}", lambda: bench_model(name, args, bandwidth, Path(tmp)))
+            r = attempt(f"{name}", bench_model, name, args, bandwidth, Path(tmp))
             for k in TABLES:
                 results[k] += r[k] if isinstance(r, dict) else []
     for key, (title, header) in TABLES.items():

@@ -16,11 +16,14 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from engine import FORWARD_ANNOTATION
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-STEP_PREFIX = "bench_step:"  # record_function names are STEP_PREFIX + forward mode ("decode", "extend")
+STEP_PREFIX = FORWARD_ANNOTATION  # the engine annotates each forward as this + its mode ("decode", "extend")
 
 
 def copy_bandwidth(bytes_copied: int, seconds: float) -> float:
@@ -35,8 +38,9 @@ def decode_bytes_read(weight_bytes: int, kv_bytes_per_token: int, context_lens: 
     return weight_bytes + kv_bytes_per_token * sum(context_lens)
 
 
-def bandwidth_floor_s(weight_bytes: int, kv_bytes_per_token: int, context_lens: Iterable[int],
-                      bandwidth: float) -> float:  # fmt: skip
+def bandwidth_floor_s(
+    weight_bytes: int, kv_bytes_per_token: int, context_lens: Iterable[int], bandwidth: float
+) -> float:
     """Lowest possible decode-step time in seconds at `bandwidth` bytes/s."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
@@ -50,10 +54,10 @@ def step_spans(events: Sequence[dict[str, Any]], prefix: str = STEP_PREFIX) -> l
     `prefix + mode`. Launches: events with a `correlation` arg that are not GPU activity.
     """
     steps = sorted(
-        (e["ts"], e["ts"] + e.get("dur", 0), e["name"][len(prefix):])
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"][len(prefix) :])
         for e in events
         if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix) and e.get("cat") != "gpu_user_annotation"
-    )  # fmt: skip
+    )
     starts = [s[0] for s in steps]
     launch_step: dict[Any, int] = {}
     for e in events:
@@ -84,7 +88,7 @@ def idle_between_steps(spans: Sequence[tuple[str, float, float]], mode: str = "d
     another kind of step sits between are skipped; overlapping spans count as zero gap.
     """
     gaps, periods = [], []
-    for (m0, _, end0), (m1, start1, end1) in zip(spans, spans[1:]):
+    for (m0, _, end0), (m1, start1, end1) in itertools.pairwise(spans):
         if m0 == mode and m1 == mode:
             gap = max(0.0, start1 - end0)
             gaps.append(gap)

@@ -1,4 +1,4 @@
-"""The measurements behind bench/gpu.py: models, our runner / engine, transformers, copy bandwidth.
+"""The measurements behind bench/gpu.py: models, our scheduler / engine, transformers, copy bandwidth.
 
 Each function runs one measurement and returns plain numbers; bench/gpu.py decides what to run and
 prints the tables. Device-agnostic where it costs nothing (`_sync` is a no-op without CUDA), so
@@ -15,16 +15,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.gpu_metrics import STEP_PREFIX, copy_bandwidth, idle_between_steps, step_spans
+from bench.gpu_metrics import copy_bandwidth, idle_between_steps, step_spans
 
 if TYPE_CHECKING:  # engine and transformers are imported where used: `--help` stays fast
-    from engine.model_executor.model_runner import ModelRunner
-    from engine.models.loader import ModelSource
+    from engine import ModelSource, SyncScheduler
 
 # Qwen2.5-0.5B's shape (random weights are built from it).
-QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)  # fmt: skip
+QWEN_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 
 def _sync() -> None:
@@ -68,16 +78,30 @@ def build_random_qwen(folder: Path, shape: dict[str, Any] = QWEN_SHAPE, device: 
     return str(folder)
 
 
-def build_runner(model_path: str, max_bs: int, context_len: int, tokens: int) -> ModelRunner:
-    """Our runner on the GPU: bf16, Triton attention, decode graphs up to `max_bs`, a KV pool of
-    `tokens` (explicit, so both models get what the benchmark needs whatever the GPU's size)."""
-    from engine.model_executor.model_runner import ModelRunner
-    from engine.server_args import ServerArgs
+def engine_options(max_bs: int, context_len: int, tokens: int, graphs: bool = True) -> dict[str, Any]:
+    """Our engine on the GPU: bf16, Triton attention, decode graphs up to `max_bs` (or none), a KV
+    pool of `tokens` (explicit, so both models get what the benchmark needs whatever the GPU's
+    size), whole prompts in one prefill, no prefix cache (the prompts are random)."""
+    return dict(
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="triton",
+        max_running_requests=max_bs,
+        cuda_graph_max_bs=max_bs,
+        disable_cuda_graph=not graphs,
+        max_total_tokens=tokens,
+        context_length=context_len,
+        disable_radix_cache=True,
+        chunked_prefill_size=-1,
+        max_prefill_tokens=tokens,
+    )
 
-    args = ServerArgs(model_path=model_path, dtype="bfloat16", device="cuda", attention_backend="triton",
-                      max_running_requests=max_bs, cuda_graph_max_bs=max_bs, max_total_tokens=tokens,
-                      context_length=context_len, disable_radix_cache=True)  # fmt: skip
-    return ModelRunner(args)
+
+def build_sync(model_path: str, **options: Any) -> SyncScheduler:
+    """Our scheduler and model runner, stepped synchronously (see `engine_options`)."""
+    from engine import ServerArgs, SyncScheduler
+
+    return SyncScheduler.from_args(ServerArgs(model_path=model_path, **options))
 
 
 def load_hf(source: ModelSource) -> torch.nn.Module:
@@ -85,6 +109,15 @@ def load_hf(source: ModelSource) -> torch.nn.Module:
     from bench.offline import load_hf as load_hf_cpu
 
     return load_hf_cpu(source, torch.bfloat16).to("cuda").eval()
+
+
+def parameter_count(hf_config: Any) -> int:
+    """Parameters of the model `hf_config` describes (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -96,39 +129,26 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 # ---- measurements -----------------------------------------------------------------------------
 
 
-def ours_batch(runner: ModelRunner, prompts: list[list[int]], steps: int, graphs: bool) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) of one static batch; frees it all after."""
-    from engine.sampling import SamplingParams
-    from engine.scheduler.batch import Req, ScheduleBatch
+def ours_batch(sync: SyncScheduler, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """(prefill seconds, median decode-step seconds) of one static batch, through the synchronous
+    scheduler step (each step ends when its sampled ids are on the host); everything is freed after.
 
-    saved, runner.graph_runner = runner.graph_runner, (runner.graph_runner if graphs else None)
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    The scheduler must take the whole batch in one prefill: no chunking, enough prefill tokens
+    and request rows (`engine_options` sets them)."""
+    from engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
-    reqs = [Req(f"b{i}", p, params, seed=i, max_context_len=runner.context_len) for i, p in enumerate(prompts)]
-    try:
-        for r in reqs:
-            r.init_next_round_input()
-        batch = ScheduleBatch.init_new(reqs, pool, alloc, None, runner.model_config.vocab_size)
-        assert batch.prepare_for_extend(), "KV pool too small for the benchmark"
-        _sync()
-        t0 = time.perf_counter()
-        ids = runner.forward_batch_generation(batch.get_model_worker_batch()).next_token_ids_list()
-        prefill = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            for r, t in zip(reqs, ids):
-                r.output_ids.append(t)
-            t0 = time.perf_counter()
-            assert batch.prepare_for_decode()
-            ids = runner.forward_batch_generation(batch.get_model_worker_batch()).next_token_ids_list()
-            times.append(time.perf_counter() - t0)
-        return prefill, statistics.median(times)
-    finally:
-        runner.graph_runner = saved
-        for r in reqs:
-            if r.req_pool_idx is not None:
-                alloc.free(pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].to(torch.int64))
-                pool.free(r.req_pool_idx)
+    for p in prompts:
+        sync.add_request(p, params)
+    _sync()
+    first = len(sync.steps)
+    sync.run_until_idle()
+    records = sync.steps[first:]
+    prefill = [r for r in records if r.mode == "EXTEND"]
+    decode = [r.end - r.start for r in records if r.mode == "DECODE"]
+    if len(prefill) != 1 or prefill[0].batch_size != len(prompts) or len(decode) != steps:
+        raise RuntimeError(f"expected one prefill of {len(prompts)} and {steps} decode steps, got {records}")
+    return prefill[0].end - prefill[0].start, statistics.median(decode)
 
 
 @torch.inference_mode()
@@ -168,39 +188,28 @@ def hf_generate_batch(model: torch.nn.Module, prompts: list[list[int]], output_l
     return n / (time.perf_counter() - t0), n / max(len(outs), 1)
 
 
-def engine_generate(runner: ModelRunner, prompts: list[list[int]], output_len: int, overlap: bool, graphs: bool,
-                    trace: Path | None = None) -> float | tuple[float, float, int]:  # fmt: skip
-    """Our Engine (scheduler + device stream) over an already built runner: output tokens/s, or
-    with `trace` the decode idle stats (fraction, mean gap us, pairs) of a profiled run."""
+def engine_generate(
+    model_path: str,
+    options: dict[str, Any],
+    prompts: list[list[int]],
+    output_len: int,
+    overlap: bool,
+    trace: Path | None = None,
+) -> float | tuple[float, float, int]:
+    """Our Engine (actors + device stream): output tokens/s, or with `trace` the decode idle stats
+    (fraction, mean gap us, pairs) of a profiled run (the engine annotates every forward)."""
     from engine import Engine, SamplingParams
 
-    a = runner.args
-    engine = Engine(a.model_path, dtype=a.dtype, device=str(runner.device), enable_overlap=overlap,
-                    max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                    disable_radix_cache=True, context_length=a.context_length)  # fmt: skip
-    engine.runner, engine.tokenizer = runner, runner.source.load_tokenizer()  # start() skips loading
-    saved, runner.graph_runner = runner.graph_runner, (runner.graph_runner if graphs else None)
-    real = runner.forward_batch_generation
-
-    def annotated(batch):
-        mode = "decode" if batch.forward_mode.is_decode() else "extend"
-        with torch.profiler.record_function(STEP_PREFIX + mode):
-            return real(batch)
-
+    engine = Engine(model_path, enable_overlap=overlap, **options)
     params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
-    try:
-        if trace is None:
-            t0 = time.perf_counter()
-            results = engine.generate_batch(prompts, params)
-            return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
-        runner.forward_batch_generation = annotated
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if runner.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            engine.generate_batch(prompts, params)
-        prof.export_chrome_trace(str(trace))
-        return idle_between_steps(step_spans(json.loads(trace.read_text())["traceEvents"]))
-    finally:
-        runner.__dict__.pop("forward_batch_generation", None)
-        runner.graph_runner = saved
+    if trace is None:
+        t0 = time.perf_counter()
+        results = engine.generate_batch(prompts, params)
+        return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.generate_batch(prompts, params)
+    prof.export_chrome_trace(str(trace))
+    return idle_between_steps(step_spans(json.loads(trace.read_text())["traceEvents"]))

@@ -34,15 +34,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-import uvloop  # noqa: E402
+import torch
+import uvloop
 
-from engine import Engine, SamplingParams  # noqa: E402
-from engine.models.loader import ModelSource, resolve_model  # noqa: E402
+from engine import Engine, ModelSource, SamplingParams, resolve_model
 
 HF_METHODS = ("static", "static16", "cb")
 
@@ -98,10 +98,16 @@ class Result:
 
 
 def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False) -> Result:
-    engine = Engine(args.model_path, dtype=args.dtype, device="cpu", torch_threads=args.threads,
-                    max_running_requests=max(len(wl.prompts), 1), disable_radix_cache=disable_radix,
-                    max_total_tokens=args.max_total_tokens,
-                    disable_cascade_attention=args.disable_cascade_attention)  # fmt: skip
+    engine = Engine(
+        args.model_path,
+        dtype=args.dtype,
+        device="cpu",
+        torch_threads=args.threads,
+        max_running_requests=max(len(wl.prompts), 1),
+        disable_radix_cache=disable_radix,
+        max_total_tokens=args.max_total_tokens,
+        disable_cascade_attention=args.disable_cascade_attention,
+    )
 
     async def main() -> tuple[float, int, int]:
         async with engine:
@@ -160,8 +166,9 @@ def _hf_static_batch(model, prompts: list[list[int]], output_lens: list[int], pa
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     n = max(output_lens)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=pad_id)  # fmt: skip
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
+    )
     assert out.shape[1] == width + n
 
 
@@ -217,11 +224,15 @@ def _report(results: list[Result]) -> str:
         ours = next((r for r in rs if r.method == "ours"), None)
         for r in rs:
             ratio = f"{ours.tokens_per_s / r.tokens_per_s:>7.2f}" if ours and r is not ours else f"{'':>7}"
-            lines.append(f"{name:>8} {r.method:>14} {r.seconds:>9.2f} {r.output_tokens:>8} {r.tokens_per_s:>9.1f} {ratio}")
+            lines.append(
+                f"{name:>8} {r.method:>14} {r.seconds:>9.2f} {r.output_tokens:>8} {r.tokens_per_s:>9.1f} {ratio}"
+            )
         hf = [r for r in rs if r.method.startswith("hf-")]
         if ours and hf:
             best = max(hf, key=lambda r: r.tokens_per_s)
-            lines.append(f"{name:>8} ours / best transformers ({best.method}): {ours.tokens_per_s / best.tokens_per_s:.2f}x")
+            lines.append(
+                f"{name:>8} ours / best transformers ({best.method}): {ours.tokens_per_s / best.tokens_per_s:.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -246,20 +257,22 @@ def main(argv: list[str] | None = None) -> list[Result]:
     source = resolve_model(args.model_path)
     vocab = source.hf_config.vocab_size
     dtype = getattr(torch, args.dtype)
-    print(f"model={args.model_path} dtype={args.dtype} threads={args.threads} torch={torch.__version__} seed={args.seed}")
+    print(
+        f"model={args.model_path} dtype={args.dtype} threads={args.threads} torch={torch.__version__} seed={args.seed}"
+    )
     workloads = [make_workload(w, vocab, args.seed) for w in args.workloads]
     results: list[Result] = []
 
-    def record(run: Callable[[], Result]) -> None:
-        r = run()
+    def record(run: Callable[..., Result], *run_args: Any, **run_kw: Any) -> None:
+        r = run(*run_args, **run_kw)
         results.append(r)
         print(f"  {r.workload:>8} {r.method:>14}: {r.tokens_per_s:8.1f} tok/s ({r.seconds:.2f} s)", flush=True)
 
     for wl in workloads:
         torch.set_num_threads(1)
-        record(lambda: run_ours(wl, args))
+        record(run_ours, wl, args)
         if wl.name == "W2" and not args.no_radix_compare:
-            record(lambda: run_ours(wl, args, disable_radix=True))
+            record(run_ours, wl, args, disable_radix=True)
     if args.hf_methods:
         model = load_hf(source, dtype)
         pad_id = source.hf_config.eos_token_id if isinstance(source.hf_config.eos_token_id, int) else 0
@@ -269,13 +282,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 if m == "static16" and len(wl.prompts) <= 16:
                     continue  # identical to "static"
                 if m == "cb":
-                    record(lambda: run_hf_cb(model, wl))
+                    record(run_hf_cb, model, wl)
                 else:
-                    record(lambda: run_hf_static(model, wl, 16 if m == "static16" else None, pad_id))
+                    record(run_hf_static, model, wl, 16 if m == "static16" else None, pad_id)
     print(_report(results))
     if args.output_file:
         with open(args.output_file, "w") as f:
-            json.dump({"args": vars(args), "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}, f, indent=1)
+            json.dump(
+                {"args": vars(args), "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]},
+                f,
+                indent=1,
+            )
     return results
 
 

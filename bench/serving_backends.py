@@ -127,8 +127,9 @@ class _HttpBackend:
         out = StreamResult()
         out.start = time.perf_counter()
         try:
-            async with self.session.post(self.base_url + self.path(req), json=self.payload(req),
-                                         headers=self.headers) as resp:  # fmt: skip
+            async with self.session.post(
+                self.base_url + self.path(req), json=self.payload(req), headers=self.headers
+            ) as resp:
                 if resp.status != 200:
                     return out.fail(await _http_error(resp))
                 done = False
@@ -139,7 +140,7 @@ class _HttpBackend:
                     message = self.on_event(out, event, time.perf_counter())
                     if message is not None:
                         return out.fail(message)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             return out.fail(_describe(e))
         out.end = time.perf_counter()
         if not done:  # both OpenAI and SGLang end a complete stream with [DONE]
@@ -165,8 +166,12 @@ class OpenAIBackend(_HttpBackend):
         return "/v1/chat/completions" if isinstance(req.prompt, list) else "/v1/completions"
 
     def payload(self, req: RequestInput) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": req.temperature, "stream": True,
-                                "stream_options": {"include_usage": True}}  # fmt: skip
+        body: dict[str, Any] = {
+            "max_tokens": req.output_len,
+            "temperature": req.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         body["messages" if isinstance(req.prompt, list) else "prompt"] = req.prompt
         if req.model is not None:
             body["model"] = req.model
@@ -279,8 +284,7 @@ class WsBackend:
         out.start = time.perf_counter()
         try:
             ws = await self._socket()
-            await ws.send_str(json.dumps({"type": "generate", "id": gen_id, "text": req.prompt,
-                                          "sampling_params": sp}))  # fmt: skip
+            await ws.send_str(json.dumps({"type": "generate", "id": gen_id, "text": req.prompt, "sampling_params": sp}))
             while True:
                 msg = await queue.get()
                 now = time.perf_counter()
@@ -302,7 +306,7 @@ class WsBackend:
                     out.completion_tokens = meta.get("completion_tokens", sum(out.chunk_tokens))
                     out.cached_tokens = meta.get("cached_tokens")
                     break
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             return out.fail(_describe(e))
         finally:
             self._waiting.pop(gen_id, None)

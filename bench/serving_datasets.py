@@ -113,8 +113,9 @@ class RandomText:
         return text, self.count(text)
 
 
-def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                   seed: int) -> list[Conversation]:  # fmt: skip
+def random_dataset(
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[Conversation]:
     rng = np.random.default_rng(seed)
     maker = RandomText(tokenizer)
     in_lens = sample_lengths(rng, input_len, range_ratio, num_prompts)
@@ -126,8 +127,15 @@ def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len:
     return convs
 
 
-def shared_prefix_dataset(tokenizer: Any, num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                          question_len: int, output_len: int, seed: int) -> list[Conversation]:  # fmt: skip
+def shared_prefix_dataset(
+    tokenizer: Any,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[Conversation]:
     rng = np.random.default_rng(seed)
     maker = RandomText(tokenizer)
     convs = []
@@ -136,13 +144,15 @@ def shared_prefix_dataset(tokenizer: Any, num_groups: int, prompts_per_group: in
         for _ in range(prompts_per_group):
             question, _ = maker.make(rng, question_len)
             text = f"{system}\n\n{question}"
-            convs.append(Conversation([Turn(text, maker.count(text), output_len, system_prompt_len + question_len)],
-                                      group=g))  # fmt: skip
+            convs.append(
+                Conversation([Turn(text, maker.count(text), output_len, system_prompt_len + question_len)], group=g)
+            )
     return convs
 
 
-def sharegpt_synthetic_lengths(rng: np.random.Generator, n: int,
-                               params: ShareGPTSynthetic = ShareGPTSynthetic()) -> list[tuple[int, int]]:  # fmt: skip
+def sharegpt_synthetic_lengths(
+    rng: np.random.Generator, n: int, params: ShareGPTSynthetic = ShareGPTSynthetic()
+) -> list[tuple[int, int]]:
     """n (input_len, output_len) pairs from the lognormal model, filtered as SGLang filters ShareGPT."""
     out: list[tuple[int, int]] = []
     while len(out) < n:
@@ -150,14 +160,19 @@ def sharegpt_synthetic_lengths(rng: np.random.Generator, n: int,
         ins = np.rint(rng.lognormal(math.log(params.input_median), params.input_sigma, m)).astype(np.int64)
         outs = np.rint(rng.lognormal(math.log(params.output_median), params.output_sigma, m)).astype(np.int64)
         for i, o in zip(ins.tolist(), outs.tolist()):
-            if i >= params.min_len and o >= params.min_len and i <= params.max_input_len \
-                    and i + o <= params.max_total_len:  # fmt: skip
+            if (
+                i >= params.min_len
+                and o >= params.min_len
+                and i <= params.max_input_len
+                and i + o <= params.max_total_len
+            ):
                 out.append((i, o))
     return out[:n]
 
 
-def sharegpt_synthetic_dataset(tokenizer: Any, num_prompts: int, seed: int,
-                               params: ShareGPTSynthetic = ShareGPTSynthetic()) -> list[Conversation]:  # fmt: skip
+def sharegpt_synthetic_dataset(
+    tokenizer: Any, num_prompts: int, seed: int, params: ShareGPTSynthetic = ShareGPTSynthetic()
+) -> list[Conversation]:
     rng = np.random.default_rng(seed)
     maker = RandomText(tokenizer)
     convs = []
@@ -167,8 +182,15 @@ def sharegpt_synthetic_dataset(tokenizer: Any, num_prompts: int, seed: int,
     return convs
 
 
-def multi_turn_dataset(tokenizer: Any, num_conversations: int, num_turns: int, input_len: int, output_len: int,
-                       range_ratio: float, seed: int) -> list[Conversation]:  # fmt: skip
+def multi_turn_dataset(
+    tokenizer: Any,
+    num_conversations: int,
+    num_turns: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+) -> list[Conversation]:
     """Each turn's new user message and reply length follow the random dataset's convention."""
     if num_turns < 1:
         raise ValueError(f"num_turns must be >= 1, got {num_turns}")
@@ -211,15 +233,34 @@ DATASETS = ("random", "shared-prefix", "sharegpt-synthetic", "multi-turn")
 
 def build_dataset(tokenizer: Any, spec: DatasetSpec) -> list[Conversation]:
     if spec.name == "random":
-        return random_dataset(tokenizer, spec.num_prompts, spec.random_input_len, spec.random_output_len,
-                              spec.random_range_ratio, spec.seed)  # fmt: skip
+        return random_dataset(
+            tokenizer,
+            spec.num_prompts,
+            spec.random_input_len,
+            spec.random_output_len,
+            spec.random_range_ratio,
+            spec.seed,
+        )
     if spec.name == "shared-prefix":
-        return shared_prefix_dataset(tokenizer, spec.gsp_num_groups, spec.gsp_prompts_per_group,
-                                     spec.gsp_system_prompt_len, spec.gsp_question_len, spec.gsp_output_len,
-                                     spec.seed)  # fmt: skip
+        return shared_prefix_dataset(
+            tokenizer,
+            spec.gsp_num_groups,
+            spec.gsp_prompts_per_group,
+            spec.gsp_system_prompt_len,
+            spec.gsp_question_len,
+            spec.gsp_output_len,
+            spec.seed,
+        )
     if spec.name == "sharegpt-synthetic":
         return sharegpt_synthetic_dataset(tokenizer, spec.num_prompts, spec.seed, spec.sharegpt)
     if spec.name == "multi-turn":
-        return multi_turn_dataset(tokenizer, spec.num_prompts, spec.multi_turn_num_turns, spec.random_input_len,
-                                  spec.random_output_len, spec.random_range_ratio, spec.seed)  # fmt: skip
+        return multi_turn_dataset(
+            tokenizer,
+            spec.num_prompts,
+            spec.multi_turn_num_turns,
+            spec.random_input_len,
+            spec.random_output_len,
+            spec.random_range_ratio,
+            spec.seed,
+        )
     raise ValueError(f"unknown dataset {spec.name!r}; choose from {', '.join(DATASETS)}")

@@ -101,17 +101,23 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> Metrics:
     counts = Counter(r.error for r in failed)
     errors = [{"message": m, "count": n} for m, n in list(counts.items())[:MAX_ERRORS_SHOWN]]
     return Metrics(
-        completed=len(ok), failed=len(failed), duration_s=duration_s,
-        total_input_tokens=total_in, total_output_tokens=total_out,
+        completed=len(ok),
+        failed=len(failed),
+        duration_s=duration_s,
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
         total_cached_tokens=sum(cached) if cached else None,
-        request_throughput=len(ok) / dur, input_throughput=total_in / dur, output_throughput=total_out / dur,
+        request_throughput=len(ok) / dur,
+        input_throughput=total_in / dur,
+        output_throughput=total_out / dur,
         total_throughput=(total_in + total_out) / dur,
         mean_concurrency=sum(r.e2e_ms for r in ok) / 1000.0 / dur,
         ttft_ms=Stats.of([r.ttft_ms for r in ok]),
         itl_ms=Stats.of([x for r in ok for x in r.itl_ms]),
         tpot_ms=Stats.of([t for r in ok if (t := r.tpot_ms) is not None]),
-        e2e_ms=Stats.of([r.e2e_ms for r in ok]), errors=errors,
-    )  # fmt: skip
+        e2e_ms=Stats.of([r.e2e_ms for r in ok]),
+        errors=errors,
+    )
 
 
 @dataclass
@@ -122,8 +128,12 @@ class BenchmarkResult:
     warmup_errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"config": self.config, "metrics": asdict(self.metrics), "warmup_errors": self.warmup_errors,
-                "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.records]}  # fmt: skip
+        return {
+            "config": self.config,
+            "metrics": asdict(self.metrics),
+            "warmup_errors": self.warmup_errors,
+            "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.records],
+        }
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -145,8 +155,11 @@ def _row(name: str, value: Any) -> str:
 
 
 def _stats_rows(name: str, s: Stats) -> list[str]:
-    return [_row(f"Mean {name} (ms):", s.mean), _row(f"Median {name} (ms):", s.median),
-            _row(f"P99 {name} (ms):", s.p99)]  # fmt: skip
+    return [
+        _row(f"Mean {name} (ms):", s.mean),
+        _row(f"Median {name} (ms):", s.median),
+        _row(f"P99 {name} (ms):", s.p99),
+    ]
 
 
 def format_table(result: BenchmarkResult) -> str:
@@ -169,12 +182,16 @@ def format_table(result: BenchmarkResult) -> str:
         _row("Output token throughput (tok/s):", m.output_throughput),
         _row("Total token throughput (tok/s):", m.total_throughput),
         _row("Mean concurrency:", m.mean_concurrency),
-        _rule("End-to-End Latency"), *_stats_rows("E2E Latency", m.e2e_ms),
-        _rule("Time to First Token"), *_stats_rows("TTFT", m.ttft_ms),
-        _rule("Time per Output Token (excl. 1st token)"), *_stats_rows("TPOT", m.tpot_ms),
-        _rule("Inter-Token Latency (per chunk)"), *_stats_rows("ITL", m.itl_ms),
+        _rule("End-to-End Latency"),
+        *_stats_rows("E2E Latency", m.e2e_ms),
+        _rule("Time to First Token"),
+        *_stats_rows("TTFT", m.ttft_ms),
+        _rule("Time per Output Token (excl. 1st token)"),
+        *_stats_rows("TPOT", m.tpot_ms),
+        _rule("Inter-Token Latency (per chunk)"),
+        *_stats_rows("ITL", m.itl_ms),
         _rule(fill="="),
-    ]  # fmt: skip
+    ]
     if m.errors:
         lines.append("Errors (first distinct messages):")
         lines += [f"  [{e['count']}x] {e['message']}" for e in m.errors]
@@ -215,8 +232,10 @@ def write_plot(result: BenchmarkResult, path: str | Path) -> None:
         hist, _ = np.histogram(times, bins=edges, weights=weights)
         ax.plot(edges[:-1] + bin_s / 2, hist / bin_s, color="tab:green")
     ax.set(title="Output throughput over time", xlabel="s since start", ylabel="tokens/s")
-    fig.suptitle(f"{result.config.get('backend')} / {result.config.get('dataset')}: {result.metrics.completed} ok, "
-                 f"{result.metrics.failed} failed")  # fmt: skip
+    fig.suptitle(
+        f"{result.config.get('backend')} / {result.config.get('dataset')}: {result.metrics.completed} ok, "
+        f"{result.metrics.failed} failed"
+    )
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=80)
     plt.close(fig)

@@ -2,8 +2,8 @@
 
     python -m bench.step_profile --workload W2 [--dtype bfloat16] [--threads 2] [--profile]
 
-Runs a bench.offline workload through the real `Scheduler` and `ModelRunner` in one thread
-(the synchronous loop of tests/sched_harness.py, no overlap), so the forward passes can be timed
+Runs a bench.offline workload through the real scheduler and model runner in one thread
+(`engine.SyncScheduler`, the synchronous step: no overlap), so the forward passes can be timed
 one by one and profiled (the torch profiler only sees the thread it was started in, which in
 the `Engine` is the forward thread). Prints the time in prefill and decode forwards, decode step
 time by batch-size band, and with --profile the top ops by self CPU time.
@@ -19,12 +19,7 @@ from collections import defaultdict
 import torch
 
 from bench.offline import make_workload
-from engine.actors.scheduler import Scheduler
-from engine.model_executor.model_runner import ModelRunner
-from engine.models.loader import resolve_model
-from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req
-from engine.server_args import ServerArgs
+from engine import SamplingParams, ServerArgs, SyncScheduler, resolve_model
 
 
 def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> None:
@@ -32,30 +27,21 @@ def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> 
     source = resolve_model("smollm2-135m")
     wl = make_workload(workload, source.hf_config.vocab_size, 0)
     args = ServerArgs(dtype=dtype, device="cpu", max_running_requests=max(len(wl.prompts), 1), **engine_kw)
-    runner = ModelRunner(args, source)
-    sched = Scheduler(runner, args)
+    sched = SyncScheduler.from_args(args)
     for i, (ids, n) in enumerate(zip(wl.prompts, wl.output_lens)):
-        params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        sched.add_request(Req(f"r{i}", ids, params, seed=i + 1, max_context_len=runner.context_len))
-    forwards: list[tuple[str, int, int, float]] = []  # mode, batch size, tokens, seconds
+        sched.add_request(ids, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), seed=i + 1)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     t_start = time.perf_counter()
     with prof if prof is not None else contextlib.nullcontext():
-        while True:
-            batch = sched.get_next_batch_to_run()
-            if batch is None:
-                break
-            lb = sched.launched(batch)
-            mwb = batch.get_model_worker_batch()
-            t0 = time.perf_counter()
-            result = runner.forward_batch_generation(mwb)
-            forwards.append((lb.mode.name, len(lb.reqs), int(mwb.out_cache_loc.numel()), time.perf_counter() - t0))
-            sched.process_batch_result(lb, result)
+        sched.run_until_idle()
     total = time.perf_counter() - t_start
+    # mode, batch size, tokens, seconds
+    forwards = [(s.mode, s.batch_size, s.num_tokens, s.end - s.start) for s in sched.steps]
     out_tokens = sum(wl.output_lens)
-    print(f"{workload} {dtype} threads={threads}: {total:.2f} s, {out_tokens / total:.1f} out tok/s, {len(forwards)} forwards")
+    rate = out_tokens / total
+    print(f"{workload} {dtype} threads={threads}: {total:.2f} s, {rate:.1f} out tok/s, {len(forwards)} forwards")
     by_mode: dict[str, list[float]] = defaultdict(list)
-    for mode, _, tokens, sec in forwards:
+    for mode, _, _, sec in forwards:
         by_mode[mode].append(sec)
     for mode, secs in by_mode.items():
         toks = sum(t for m, _, t, _ in forwards if m == mode)
@@ -66,7 +52,8 @@ def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> 
             bands[min(64, 1 << (bs - 1).bit_length())].append(sec)
     for band in sorted(bands):
         secs = bands[band]
-        print(f"  decode bs<={band:3d}: {len(secs):4d} steps, {1000 * sum(secs) / len(secs):7.1f} ms/step, {sum(secs):6.2f} s")
+        per_step = 1000 * sum(secs) / len(secs)
+        print(f"  decode bs<={band:3d}: {len(secs):4d} steps, {per_step:7.1f} ms/step, {sum(secs):6.2f} s")
     print(f"  outside forwards (scheduling, sampling results): {total - sum(f[3] for f in forwards):.2f} s")
     if prof is not None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -3,9 +3,44 @@
     from engine import Engine, SamplingParams
     async with Engine(model="smollm2-135m") as engine:
         result = await engine.generate("Hello", SamplingParams(max_new_tokens=16))
+
+Public names: everything in `__all__` below. The server and the benchmarks use only these.
 """
 
-from engine.engine import Engine, GenerateResult
+from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
+from engine.engine import Engine
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestTooLargeError,
+)
+from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import SamplingParams
+from engine.scheduler.step import FORWARD_ANNOTATION, SyncScheduler
+from engine.server_args import ServerArgs
 
-__all__ = ["Engine", "GenerateResult", "SamplingParams"]
+__all__ = [
+    "FORWARD_ANNOTATION",
+    "ContextLengthExceededError",
+    "Engine",
+    "EngineError",
+    "EngineUnhealthyError",
+    "GenerateResult",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "ModelSource",
+    "Prompt",
+    "RequestStream",
+    "RequestTooLargeError",
+    "ResultBuilder",
+    "SamplingParams",
+    "ServerArgs",
+    "StepRecord",
+    "StreamDelta",
+    "SyncScheduler",
+    "resolve_model",
+]

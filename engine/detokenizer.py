@@ -135,12 +135,6 @@ def _earliest_stop(text: str, stop_strs: Sequence[str], start: int) -> tuple[int
     return None if best is None else (best[1], best[2])
 
 
-def find_stop(text: str, stop_strs: Sequence[str], start: int = 0) -> int | None:
-    """Index in `text` where the first-completing stop string begins (searching from `start`)."""
-    hit = _earliest_stop(text, [s for s in stop_strs if s], start)
-    return None if hit is None else hit[0]
-
-
 class StopStringMatcher:
     """Cuts streamed text at the first stop string, holding back possible partial matches.
 

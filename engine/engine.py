@@ -2,10 +2,12 @@
 
 Builds the pipeline of actors around one ModelRunner:
 
-    Engine.generate/stream -> Receiver.submit -> Dispatcher -> OverlapScheduler
-        -> (device stream) -> OutputProcessor -> Receiver -> the request's stream
+    Engine.generate/stream -> Receiver.submit -> Dispatcher -> PrefillAdderActor (waiting queue)
+        <-> OverlapScheduler (memory, running batch; the device stream) -> OutputProcessor
+        -> Receiver -> the request's stream
 
 and supervises it: if an actor dies, open requests end with an error and `healthy` turns False.
+The data types it takes and returns are in engine/api.py.
 """
 
 from __future__ import annotations
@@ -13,124 +15,73 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvloop
 
-from engine.actors.dispatcher import Dispatcher
-from engine.actors.messages import (
-    SCHEDULER_INPUTS, AbortReq, FlushCacheReq, GetInternalStateReq, SetInternalStateReq, StreamDelta,
-)  # fmt: skip
+from engine.actors.dispatcher import Dispatcher, routing_table
+from engine.actors.messages import FlushCacheReq, GetInternalStateReq, SetInternalStateReq
 from engine.actors.output_processor import OutputProcessor
-from engine.actors.receiver import Prompt, Receiver
+from engine.actors.overlap_scheduler import OverlapScheduler
+from engine.actors.prefill_adder import PrefillAdderActor
+from engine.actors.receiver import Receiver
 from engine.actors.supervisor import ActorSystem
-from engine.actors.scheduler import Scheduler
-from engine.actors.scheduler_actor import OverlapScheduler
-from engine.device_stream import make_device_stream
-from engine.driver import eos_token_ids
-from engine.errors import EngineUnhealthyError
+from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
+from engine.device import DeviceStream, make_device_stream
+from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class GenerateResult:
-    rid: str
-    text: str
-    token_ids: list[int]  # output tokens only
-    finish_reason: str  # 'stop' | 'length' | 'abort'
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    matched_stop: int | str | None = None
-    error: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class RequestStream:
-    """The deltas of one submitted request (see `Engine.open_stream`); the last has `finish_reason`.
-
-    A class rather than an async generator so that `aclose()` aborts even a stream that was never
-    iterated (an unstarted generator's `finally` never runs).
-    """
-
-    def __init__(self, engine: Engine, receiver: Receiver, rid: str, queue: asyncio.Queue[StreamDelta]) -> None:
-        self.rid = rid
-        self.finished = False
-        self._engine, self._receiver, self._queue = engine, receiver, queue
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        delta = await self._queue.get()
-        self.finished = delta.finish_reason is not None
-        return delta
-
-    async def aclose(self) -> None:
-        """Abort the request unless it already finished; idempotent, never blocks."""
-        if self.finished:
-            return
-        self.finished = True
-        self._receiver.streams.pop(self.rid, None)
-        if self._engine.healthy:
-            self._receiver.dispatcher.send(AbortReq(self.rid, "the client stopped reading"))
-
-
 class Engine:
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
         self.args = ServerArgs(model_path=model, **options)
-        self.runner: ModelRunner | None = None
-        self.tokenizer = None
-        self.system: ActorSystem | None = None
-        self.receiver: Receiver | None = None
-        self.scheduler_actor: OverlapScheduler | None = None
-        self._stream = None
+        self._runner: ModelRunner | None = None
+        self._tokenizer = None
+        self._system: ActorSystem | None = None
+        self._receiver: Receiver | None = None
+        self._scheduler: OverlapScheduler | None = None
+        self._stream: DeviceStream | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> Engine:
-        if self.runner is None:  # loading is slow and blocking: keep the event loop free
-            self.runner, self.tokenizer = await asyncio.to_thread(self._load)
-        runner, args = self.runner, self.args
+        if self._runner is None:  # loading is slow and blocking: keep the event loop free
+            self._runner, self._tokenizer = await asyncio.to_thread(self._load)
+        runner, args = self._runner, self.args
         cfg = runner.model_config
+        pool_tokens = runner.token_to_kv_pool_allocator.size
         self._stream = make_device_stream(runner.device, args.torch_threads)
-        self.system = ActorSystem(on_crash=self._on_crash)
-        self.receiver = Receiver(
-            self.tokenizer, cfg.vocab_size, runner.context_len, runner.token_to_kv_pool_allocator.size
-        )
-        # Wiring: actors only hold references to the mailboxes they send to.
-        dispatcher_routes: dict[type, Any] = {}
-        dispatcher = Dispatcher(dispatcher_routes)
-        output = OutputProcessor(self.tokenizer, self.receiver, dispatcher)
-        sched = OverlapScheduler(
-            Scheduler(runner, args), self._stream, output, self.receiver,
-            eos_token_ids(runner.source.hf_config, self.tokenizer), args.resolved_enable_overlap(),
-        )  # fmt: skip
-        dispatcher_routes.update({t: sched for t in SCHEDULER_INPUTS})
-        self.receiver.dispatcher, self.receiver.output = dispatcher, output
-        self.scheduler_actor = sched
-        for actor in (self.receiver, dispatcher, output, sched):
-            self.system.add(actor)
-        self.system.start_all()
+        sched = Scheduler(runner, args)
+        scheduler = OverlapScheduler(sched, self._stream, args.resolved_enable_overlap())
+        adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
+        dispatcher = Dispatcher(routing_table(adder, scheduler))
+        output = OutputProcessor(self._tokenizer)
+        receiver = Receiver(self._tokenizer, cfg.vocab_size, runner.context_len, pool_tokens)
+        # Wiring: each actor holds references only to the mailboxes it sends to.
+        receiver.dispatcher, receiver.output = dispatcher, output
+        output.receiver, output.dispatcher = receiver, dispatcher
+        adder.scheduler, adder.output = scheduler, output
+        scheduler.adder, scheduler.output, scheduler.replies = adder, output, receiver
+        self._system = ActorSystem(on_crash=self._on_crash)
+        for actor in (receiver, dispatcher, adder, output, scheduler):
+            self._system.add(actor)
+        self._receiver, self._scheduler = receiver, scheduler
+        self._system.start_all()
         return self
 
-    def _load(self):
+    def _load(self) -> tuple[ModelRunner, Any]:
         runner = ModelRunner(self.args)
         return runner, runner.source.load_tokenizer()
 
     async def stop(self) -> None:
-        if self.system is not None:
-            await self.system.stop_all()
-            self.system = None
+        if self._system is not None:
+            await self._system.stop_all()
+            self._system = None
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
@@ -143,84 +94,118 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self.system is not None and self.system.healthy
+        return self._system is not None and self._system.healthy
 
     def _on_crash(self, name: str, exc: BaseException) -> None:
         log.error("actor %s crashed: %r; failing open requests", name, exc)
-        if self.receiver is not None and name != "receiver":
-            self.receiver.fail_all(f"engine error in {name}: {exc!r}")
+        if self._receiver is not None and name != "receiver":
+            self._receiver.fail_all(f"engine error in {name}: {exc!r}")
 
     def _check(self) -> Receiver:
-        if self.system is None or self.receiver is None:
+        if self._system is None or self._receiver is None:
             raise EngineUnhealthyError("the engine is not started (use `async with Engine(...)`)")
-        if not self.system.healthy:
-            raise EngineUnhealthyError(f"the engine is unhealthy: {self.system.crashed[-1][1]!r}")
-        return self.receiver
+        if not self._system.healthy:
+            raise EngineUnhealthyError(f"the engine is unhealthy: {self._system.crashed[-1][1]!r}")
+        return self._receiver
+
+    # ---- the model ----------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The loaded model's facts (after `start()`)."""
+        runner = self._loaded()
+        cfg = runner.model_config
+        return ModelInfo(
+            model_path=self.args.model_path,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            context_len=runner.context_len,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            max_total_tokens=runner.token_to_kv_pool_allocator.size,
+            max_running_requests=self.args.max_running_requests,
+            eos_token_ids=tuple(sorted(cfg.eos_token_ids)),
+        )
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids` in the model's tokenizer."""
+        self._loaded()
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def _loaded(self) -> ModelRunner:
+        if self._runner is None:
+            raise EngineUnhealthyError("the engine is not started (use `async with Engine(...)`)")
+        return self._runner
+
+    def recent_steps(self) -> list[StepRecord]:
+        """The latest forwards (up to a few thousand), oldest first."""
+        return list(self._scheduler.steps) if self._scheduler is not None else []
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                     return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncIterator[StreamDelta]:  # fmt: skip
+    def open_stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> RequestStream:
+        """Validate and enqueue one request *now*; returns the stream its deltas arrive on.
+
+        Typed errors (bad sampling value, prompt too long) raise here, before anything is
+        streamed, so a server can map them to a status before it commits to a streaming 200. The
+        caller owns the result: iterate it to the end or `aclose()` it (which aborts the request
+        and frees its memory), also when it was never iterated.
+        """
+        receiver = self._check()
+        rid, queue = receiver.submit(prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num)
+        return RequestStream(rid, queue, receiver.close_stream)
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
         """Deltas of one request as they come; the last carries `finish_reason`.
 
         Leaving the iteration early (break, cancellation, a dropped consumer) aborts the request
-        and frees its memory.
+        and frees its memory. Errors surface on the first `anext()`; use `open_stream` to have
+        them at once.
         """
-        receiver = self._check()
-        rid, queue = receiver.submit(prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num)
-        finished = False
+        stream = self.open_stream(prompt, params, rid, return_logprob, top_logprobs_num)
         try:
-            while True:
-                delta = await queue.get()
-                finished = delta.finish_reason is not None
+            async for delta in stream:
                 yield delta
-                if finished:
-                    return
         finally:
-            if not finished:
-                receiver.streams.pop(rid, None)
-                if self.healthy:
-                    receiver.dispatcher.send(AbortReq(rid, "the client stopped reading"))
+            await stream.aclose()
 
-    def open_stream(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    return_logprob: bool = False, top_logprobs_num: int = 0) -> RequestStream:  # fmt: skip
-        """Like `stream()`, but validates and enqueues the request *now*, before returning.
-
-        `stream()` is an async generator, so its typed errors (bad sampling value, prompt too long)
-        only surface on the first `anext()`, i.e. after the first token. A server must map them to
-        a status before it commits to a streaming 200, hence this eager form. The caller owns the
-        result: iterate it to the end or `aclose()` it (which aborts the request and frees its
-        memory), also when it was never iterated.
-        """
-        receiver = self._check()
-        rid, queue = receiver.submit(prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num)
-        return RequestStream(self, receiver, rid, queue)
-
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                       return_logprob: bool = False, top_logprobs_num: int = 0) -> GenerateResult:  # fmt: skip
-        text, ids, lps, tops = [], [], [], []
-        last: StreamDelta | None = None
-        async for delta in self.stream(prompt, params, rid, return_logprob, top_logprobs_num):
-            text.append(delta.text)
-            ids.extend(delta.token_ids)
-            lps.extend(delta.logprobs or [])
-            tops.extend(delta.top_logprobs or [])
-            last = delta
-        assert last is not None
-        return GenerateResult(
-            rid=last.rid, text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
-            prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-            cached_tokens=last.cached_tokens, matched_stop=last.matched_stop, error=last.error,
-            logprobs=lps if return_logprob or top_logprobs_num else None,
-            top_logprobs=tops if top_logprobs_num else None,
-        )  # fmt: skip
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> GenerateResult:
+        builder = ResultBuilder()
+        stream = self.open_stream(prompt, params, rid, return_logprob, top_logprobs_num)
+        try:
+            async for delta in stream:
+                builder.add(delta)
+        finally:
+            await stream.aclose()
+        return builder.result(return_logprob or top_logprobs_num > 0, top_logprobs_num > 0)
 
     async def abort(self, rid: str) -> None:
         """Abort a running or queued request; its memory is freed when this returns."""
         receiver = self._check()
-        queue = receiver.streams.get(rid)
-        receiver.dispatcher.send(AbortReq(rid))
-        if queue is not None:  # wait for the scheduler to confirm (it frees before replying)
+        known = rid in receiver.streams
+        receiver.abort(rid)
+        if known:  # wait for the scheduler to confirm (it frees before replying)
             async with asyncio.timeout(30):
                 while rid in receiver.streams:
                     await asyncio.sleep(0.001)
@@ -233,21 +218,20 @@ class Engine:
         reply = await self._check().control(GetInternalStateReq)
         state = dict(reply.payload)
         state["healthy"] = self.healthy
-        state["actors"] = [s.name + ":" + s.state for s in self.system.stats()] if self.system else []
+        state["actors"] = [s.name + ":" + s.state for s in self._system.stats()] if self._system else []
         return state
 
     async def set_internal_state(self, **state: Any) -> dict[str, Any]:
-        reply = await self._check().control(lambda rid: SetInternalStateReq(rid, state))
+        reply = await self._check().control(lambda reply_id: SetInternalStateReq(reply_id, state))
         if not reply.ok:
-            from engine.errors import InvalidRequestError
-
             raise InvalidRequestError(reply.error or "cannot set internal state", "state")
         return dict(reply.payload)
 
-    def generate_batch(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                       ) -> list[GenerateResult]:  # fmt: skip
+    def generate_batch(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerateResult]:
         """Synchronous convenience for offline scripts: run prompts concurrently, return in order."""
-        if self.system is not None:
+        if self._system is not None:
             raise RuntimeError("generate_batch is for synchronous code; inside the event loop use `await generate()`")
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
 

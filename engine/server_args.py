@@ -8,14 +8,20 @@ import torch
 
 from engine.errors import InvalidRequestError
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
 class ServerArgs:
     model_path: str = "smollm2-135m"
-    dtype: str = "auto"  # auto: bfloat16 (fast on this CPU with AMX, and on GPUs)
+    dtype: str = "auto"  # auto: bfloat16 where the hardware computes in it natively, else float32 (see below)
     device: str = "auto"  # auto: cuda when available, else cpu
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_running_requests: int = 128
@@ -30,18 +36,22 @@ class ServerArgs:
     # next step beside the running forward steals them (bench.overlap: 3x slower steps when the
     # machine is busy, ~20% when quiet), so there is nothing to hide the host work behind.
     enable_overlap: bool | None = None
-    # GPU path (see engine/layers/attention_backend.py and engine/cuda_graph_runner.py).
-    attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch; or "torch" / "triton"
+    # Attention (engine/layers/attention_backend.py), decided once at start-up. auto: triton on CUDA
+    # when it imports; on a CPU the C++ kernels ("cpu") when they build and take the dtype and head
+    # size, else "torch" (the pure-torch reference); or name one of "cpu", "torch", "triton".
+    attention_backend: str = "auto"
+    # Decode CUDA graphs (engine/model_executor/cuda_graph_runner.py).
     disable_cuda_graph: bool = False  # decode CUDA graphs are used on CUDA with the triton backend
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (default: min(64, max_running_requests))
-    # Torch attention backend: decode attends a prefix shared by several requests of the batch
-    # once for all of them (shared_prefix.py) instead of once per request.
+    # cpu/torch attention backends on a CPU: decode attends a prefix shared by several requests of
+    # the batch once for all of them (engine/layers/cascade.py) instead of once per request.
     disable_cascade_attention: bool = False
     torch_threads: int | None = None  # threads for the forward thread (None: torch's default)
     # CPU + bf16 only: linears of inputs up to this many rows (decode batch size) use the packed
     # 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights; more rows use the dense weights. 0 disables.
-    # 16: the default model's decode step breaks even near 16 rows at 1 thread, 20 at 2 (2-core CPU).
-    q4_max_tokens: int = 16
+    # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
+    # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
+    q4_max_tokens: int | None = None
 
     def resolved_enable_overlap(self) -> bool:
         return self.resolved_device().type == "cuda" if self.enable_overlap is None else self.enable_overlap
@@ -52,18 +62,30 @@ class ServerArgs:
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        """auto: bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX):
+        half the bytes of fp32 per weight and KV entry, and their matmuls run at bf16 rates.
+        Without those instructions bf16 is converted to fp32 around every op, slower than fp32
+        itself, so such CPUs get float32."""
         if self.dtype == "auto":
-            return torch.bfloat16
+            native_bf16 = self.resolved_device().type == "cuda" or cpu_has_native_bf16()
+            return torch.bfloat16 if native_bf16 else torch.float32
         try:
             return _DTYPES[self.dtype]
         except KeyError:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}", "dtype") from None
 
-    def resolved_q4_max_tokens(self) -> int:
-        """Rows up to which the packed 4-bit path runs; 0 where it does not apply (GPU, not bf16)."""
+    def resolved_q4_max_tokens(self) -> int | None:
+        """Rows up to which the packed 4-bit path runs; 0 where it does not apply (GPU, not bf16);
+        None: to be measured when the model loads."""
         value = self.q4_max_tokens
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidRequestError(f"q4_max_tokens must be an int >= 0, got {value!r}", "q4_max_tokens")
         if self.resolved_device().type != "cpu" or self.resolved_dtype() != torch.bfloat16:
             return 0
         return value
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX tiles)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

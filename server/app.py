@@ -52,8 +52,9 @@ def _api_key_middleware(key: str):
         if not request.path.startswith(_OPEN_PATHS):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
-                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")  # fmt: skip
+                raise ApiError(
+                    401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+                )
         return await handler(request)
 
     return api_key_middleware
@@ -63,8 +64,11 @@ def _body_size_middleware(limit: int):
     @web.middleware
     async def body_size_middleware(request: web.Request, handler) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > limit:
-            raise ApiError(413, f"the request body has {request.content_length} bytes; the limit is {limit}",
-                           code="request_entity_too_large")  # fmt: skip
+            raise ApiError(
+                413,
+                f"the request body has {request.content_length} bytes; the limit is {limit}",
+                code="request_entity_too_large",
+            )
         return await handler(request)
 
     return body_size_middleware

@@ -18,11 +18,17 @@ from server.config import ServerConfig
 # Mirrors engine.actors.prefill_adder.SchedulePolicy.POLICIES (importing it would import torch).
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 # SGLang's dtype spellings; the engine knows the canonical ones.
-DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-          "float16": "float16", "half": "float16"}  # fmt: skip
+DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Mirrors engine.layers.attention_backend.ATTENTION_BACKENDS (importing it would import torch).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,71 +39,139 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m server", description="Serve an LLM over an OpenAI-compatible and SGLang-native "
-                "HTTP API (plus WebSocket streaming and Prometheus metrics).")  # fmt: skip
+    p = _Parser(
+        prog="python -m server",
+        description="Serve an LLM over an OpenAI-compatible and SGLang-native "
+        "HTTP API (plus WebSocket streaming and Prometheus metrics).",
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model-path", default="smollm2-135m",
-                   help="'smollm2-135m' (the bundled default), a Hugging Face model folder, or a .gguf file")
+    g.add_argument(
+        "--model-path",
+        default="smollm2-135m",
+        help="'smollm2-135m' (the bundled default), a Hugging Face model folder, or a .gguf file",
+    )
     g.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model path)")
-    g.add_argument("--context-length", type=positive_int,
-                   help="maximum tokens per sequence (default: the model's max_position_embeddings)")
-    g.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype (default: auto = bfloat16)")
+    g.add_argument(
+        "--context-length",
+        type=positive_int,
+        help="maximum tokens per sequence (default: the model's max_position_embeddings)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="weights and KV dtype (default: auto = bfloat16 on GPUs and CPUs with AVX512-BF16 or AMX, else float32)",
+    )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: auto = cuda if present)")
     g = p.add_argument_group("gpu")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                   help="attention kernels: auto = triton on CUDA when triton imports, else torch (default: auto)")
-    g.add_argument("--disable-cuda-graph", action="store_true",
-                   help="run decode eagerly instead of replaying CUDA graphs (graphs need CUDA and triton attention)")
-    g.add_argument("--cuda-graph-max-bs", type=positive_int,
-                   help="largest decode batch captured as a CUDA graph (default: min(64, --max-running-requests))")
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels: cpu = the C++ kernels, torch = the plain-torch reference, triton = GPU kernels; "
+        "auto = triton on CUDA when triton imports, the C++ kernels on a CPU where they build, else torch "
+        "(default: auto)",
+    )
+    g.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode eagerly instead of replaying CUDA graphs (graphs need CUDA and triton attention)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=positive_int,
+        help="largest decode batch captured as a CUDA graph (default: min(64, --max-running-requests))",
+    )
     g = p.add_argument_group("http")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=port, default=30000, help="port to listen on (default: 30000)")
     g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health* and /metrics")
     g.add_argument("--enable-metrics", action="store_true", help="expose Prometheus metrics at GET /metrics")
-    g.add_argument("--max-queued-requests", type=non_negative_int,
-                   help="generations that may wait beyond --max-running-requests; more get 503 (default: no limit)")
-    g.add_argument("--max-body-size", type=positive_int, default=ServerConfig.max_body_size,
-                   help=f"largest request body in bytes; larger ones get 413 (default: {ServerConfig.max_body_size})")
-    g.add_argument("--graceful-shutdown-timeout", type=positive_float, default=ServerConfig.graceful_shutdown_timeout,
-                   help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
-    g.add_argument("--health-check-timeout", type=positive_float, default=ServerConfig.health_check_timeout,
-                   help="seconds GET /health_generate waits for its token before answering 503 (default: %(default)s)")
+    g.add_argument(
+        "--max-queued-requests",
+        type=non_negative_int,
+        help="generations that may wait beyond --max-running-requests; more get 503 (default: no limit)",
+    )
+    g.add_argument(
+        "--max-body-size",
+        type=positive_int,
+        default=ServerConfig.max_body_size,
+        help=f"largest request body in bytes; larger ones get 413 (default: {ServerConfig.max_body_size})",
+    )
+    g.add_argument(
+        "--graceful-shutdown-timeout",
+        type=positive_float,
+        default=ServerConfig.graceful_shutdown_timeout,
+        help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)",
+    )
+    g.add_argument(
+        "--health-check-timeout",
+        type=positive_float,
+        default=ServerConfig.health_check_timeout,
+        help="seconds GET /health_generate waits for its token before answering 503 (default: %(default)s)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-running-requests", type=positive_int, help="requests decoded together (default: 128)")
-    g.add_argument("--max-total-tokens", type=positive_int,
-                   help="KV cache pool size in tokens; overrides --mem-fraction-static")
-    g.add_argument("--mem-fraction-static", type=fraction,
-                   help="share of free memory given to the KV cache pool (default: 0.1)")
-    g.add_argument("--max-prefill-tokens", type=positive_int,
-                   help="token budget of one prefill batch (default: 16384)")
-    g.add_argument("--chunked-prefill-size", type=int,
-                   help="split long prompts into chunks of this many tokens; -1 disables (default: 2048)")
+    g.add_argument(
+        "--max-total-tokens", type=positive_int, help="KV cache pool size in tokens; overrides --mem-fraction-static"
+    )
+    g.add_argument(
+        "--mem-fraction-static", type=fraction, help="share of free memory given to the KV cache pool (default: 0.1)"
+    )
+    g.add_argument("--max-prefill-tokens", type=positive_int, help="token budget of one prefill batch (default: 16384)")
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        help="split long prompts into chunks of this many tokens; -1 disables (default: 2048)",
+    )
     g.add_argument("--page-size", type=positive_int, help="tokens per KV page (default: 1)")
-    g.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
-                   help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random")
+    g.add_argument(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        help="waiting-queue order: lpm = longest cached prefix first (default), fcfs, lof, random",
+    )
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
-    g.add_argument("--disable-cascade-attention", action="store_true",
-                   help="torch attention: attend prefixes shared by several decoding requests once per request "
-                        "instead of once per group")
-    g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="process each batch's results before planning the next (no CPU/device overlap; "
-                        "overlap is on by default on CUDA only)")
-    g.add_argument("--enable-overlap-schedule", action="store_true",
-                   help="overlap scheduling also on CPU (off there by default: it competes for the same cores)")
-    g.add_argument("--torch-threads", type=positive_int,
-                   help="torch threads of the forward thread (default: torch's)")
-    g.add_argument("--q4-max-tokens", type=non_negative_int,
-                   help="CPU, bfloat16: forward passes of up to this many tokens run the linears on the packed "
-                        "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: 16)")
+    g.add_argument(
+        "--disable-cascade-attention",
+        action="store_true",
+        help="cpu/torch attention: attend prefixes shared by several decoding requests once per request "
+        "instead of once per group",
+    )
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="process each batch's results before planning the next (no CPU/device overlap; "
+        "overlap is on by default on CUDA only)",
+    )
+    g.add_argument(
+        "--enable-overlap-schedule",
+        action="store_true",
+        help="overlap scheduling also on CPU (off there by default: it competes for the same cores)",
+    )
+    g.add_argument("--torch-threads", type=positive_int, help="torch threads of the forward thread (default: torch's)")
+    g.add_argument(
+        "--q4-max-tokens",
+        type=non_negative_int,
+        help="CPU, bfloat16: forward passes of up to this many tokens run the linears on the packed "
+        "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: the crossover "
+        "with the dense matmul, measured at start-up)",
+    )
     return p
 
 
 # CLI dest -> ServerArgs field, for the options passed straight through.
-_ENGINE_OPTIONS = ("context_length", "device", "max_running_requests", "max_total_tokens", "mem_fraction_static",
-                   "max_prefill_tokens", "chunked_prefill_size", "page_size", "schedule_policy", "torch_threads",
-                   "q4_max_tokens")  # fmt: skip
+_ENGINE_OPTIONS = (
+    "context_length",
+    "device",
+    "max_running_requests",
+    "max_total_tokens",
+    "mem_fraction_static",
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+    "page_size",
+    "schedule_policy",
+    "torch_threads",
+    "q4_max_tokens",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerConfig]:
@@ -119,9 +193,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     if ns.disable_cuda_graph:
         engine["disable_cuda_graph"] = True
     config = ServerConfig(
-        model_path=ns.model_path, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        api_key=ns.api_key, enable_metrics=ns.enable_metrics, max_queued_requests=ns.max_queued_requests,
-        max_body_size=ns.max_body_size, graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
-        health_check_timeout=ns.health_check_timeout, log_level=ns.log_level,
-    )  # fmt: skip
+        model_path=ns.model_path,
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        api_key=ns.api_key,
+        enable_metrics=ns.enable_metrics,
+        max_queued_requests=ns.max_queued_requests,
+        max_body_size=ns.max_body_size,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        health_check_timeout=ns.health_check_timeout,
+        log_level=ns.log_level,
+    )
     return engine, config

@@ -14,12 +14,18 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from engine.errors import ContextLengthExceededError, EngineUnhealthyError, InvalidRequestError, RequestTooLargeError
+from engine import ContextLengthExceededError, EngineUnhealthyError, InvalidRequestError, RequestTooLargeError
 
 T = TypeVar("T")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 
 class ErrorInfo(msgspec.Struct):
@@ -36,8 +42,14 @@ class ErrorResponse(msgspec.Struct):
 class ApiError(Exception):
     """An error with its HTTP status, as the client will see it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
-                 type: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code if code is not None else status

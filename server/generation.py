@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.actors.messages import StreamDelta
-from engine.actors.receiver import Prompt
-from engine.engine import RequestStream
-from engine.sampling import SamplingParams
+from engine import Prompt, RequestStream, ResultBuilder, SamplingParams, StreamDelta
 from server.state import ServerState
 
 _END = object()
@@ -30,28 +27,6 @@ class GenSpec:
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-
-
-@dataclass
-class Output:
-    """One generation's output, accumulated from its deltas."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    last: StreamDelta | None = None
-
-    def add(self, delta: StreamDelta) -> None:
-        self.text.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs or [])
-        self.top_logprobs.extend(delta.top_logprobs or [])
-        self.last = delta
-
-    @property
-    def full_text(self) -> str:
-        return "".join(self.text)
 
 
 class GenerationGroup:
@@ -68,8 +43,9 @@ class GenerationGroup:
         try:
             engine = self.state.engine
             for s in self.specs:
-                self._streams.append(engine.open_stream(s.prompt, s.params, s.rid, s.return_logprob,
-                                                        s.top_logprobs_num))  # fmt: skip
+                self._streams.append(
+                    engine.open_stream(s.prompt, s.params, s.rid, s.return_logprob, s.top_logprobs_num)
+                )
         except BaseException:
             await self.aclose()
             raise
@@ -115,8 +91,8 @@ class GenerationGroup:
             else:
                 yield index, item
 
-    async def collect(self) -> list[Output]:
-        outs = [Output() for _ in self.specs]
+    async def collect(self) -> list[ResultBuilder]:
+        outs = [ResultBuilder() for _ in self.specs]
         async for i, delta in self:
             outs[i].add(delta)
         return outs

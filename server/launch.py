@@ -19,10 +19,6 @@ from server.config import ServerConfig
 log = logging.getLogger("server")
 
 
-class StartupError(Exception):
-    """A reason not to start, shown to the user as one line."""
-
-
 def _fail(message: str, config: ServerConfig) -> int:
     if config.log_level == "debug":
         log.exception("startup failed")
@@ -33,8 +29,7 @@ def _fail(message: str, config: ServerConfig) -> int:
 async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
     from aiohttp import web
 
-    from engine import Engine
-    from engine.errors import EngineError
+    from engine import Engine, EngineError
     from server.app import build_app
     from server.state import STATE
 
@@ -61,16 +56,21 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        args = engine.args
-        print(f"Serving {config.model_name!r} ({config.model_path}, {engine.runner.dtype}, {engine.runner.device}, "
-              f"context {engine.runner.context_len}) at http://{config.host}:{config.port} "
-              f"[ready in {time.perf_counter() - t0:.1f}s; max_running_requests={args.max_running_requests}]",
-              flush=True)  # fmt: skip
+        info = engine.model_info
+        print(
+            f"Serving {config.model_name!r} ({config.model_path}, {info.dtype}, {info.device}, context "
+            f"{info.context_len}) at http://{config.host}:{config.port} [ready in {time.perf_counter() - t0:.1f}s; "
+            f"max_running_requests={info.max_running_requests}]",
+            flush=True,
+        )
         await stop.wait()
         state = app[STATE]
         state.draining = True
-        print(f"Shutting down: waiting up to {config.graceful_shutdown_timeout:.0f}s for {state.inflight} "
-              "in-flight generation(s)", flush=True)  # fmt: skip
+        print(
+            f"Shutting down: waiting up to {config.graceful_shutdown_timeout:.0f}s for {state.inflight} "
+            "in-flight generation(s)",
+            flush=True,
+        )
         await runner.cleanup()  # closes the listener, drains handlers within shutdown_timeout
         runner = None
         return 0

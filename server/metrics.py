@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.actors.messages import StreamDelta
+from engine import StreamDelta
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -69,7 +69,7 @@ class Metrics:
 class RequestMetrics:
     """Timing of one generation, fed with its deltas as they arrive."""
 
-    __slots__ = ("m", "start", "last", "seen_prompt", "ended")
+    __slots__ = ("ended", "last", "m", "seen_prompt", "start")
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics

@@ -18,10 +18,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.actors.messages import StreamDelta
-from engine.sampling import SamplingParams
+from engine import ResultBuilder, SamplingParams, StreamDelta
 from server.errors import ApiError, decode, unavailable
-from server.generation import GenerationGroup, GenSpec, Output
+from server.generation import GenerationGroup, GenSpec
 from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE
@@ -41,12 +40,26 @@ def finish_reason_obj(d: StreamDelta | None) -> dict[str, Any] | None:
     return {"type": "abort", "message": d.error}
 
 
-def meta_info(rid: str, d: StreamDelta | None, start: float, lps: list[float] | None = None,
-              tops: list | None = None, ids: list[int] | None = None) -> MetaInfo:  # fmt: skip
+def meta_info(
+    rid: str,
+    d: StreamDelta | None,
+    start: float,
+    lps: list[float] | None = None,
+    tops: list | None = None,
+    ids: list[int] | None = None,
+) -> MetaInfo:
     token_lps = [(lp, t, None) for lp, t in zip(lps, ids)] if lps is not None and ids is not None else None
     top = [[(lp, t, None) for t, lp in row] for row in tops] if tops is not None else None
-    return MetaInfo(rid, finish_reason_obj(d), d.prompt_tokens if d else 0, d.completion_tokens if d else 0,
-                    d.cached_tokens if d else 0, time.perf_counter() - start, token_lps, top)  # fmt: skip
+    return MetaInfo(
+        rid,
+        finish_reason_obj(d),
+        d.prompt_tokens if d else 0,
+        d.completion_tokens if d else 0,
+        d.cached_tokens if d else 0,
+        time.perf_counter() - start,
+        token_lps,
+        top,
+    )
 
 
 def parse_generate(req: GenerateRequest) -> tuple[list[GenSpec], bool]:
@@ -85,12 +98,13 @@ def parse_generate(req: GenerateRequest) -> tuple[list[GenSpec], bool]:
     return specs, batch or n > 1
 
 
-def _response(spec: GenSpec, out: Output, start: float, index: int | None) -> GenerateResponse:
+def _response(spec: GenSpec, out: ResultBuilder, start: float, index: int | None) -> GenerateResponse:
     lps = out.logprobs if spec.return_logprob or spec.top_logprobs_num else None
     tops = out.top_logprobs if spec.top_logprobs_num else None
     rid = out.last.rid if out.last else (spec.rid or "")
-    return GenerateResponse(out.full_text, out.token_ids, meta_info(rid, out.last, start, lps, tops, out.token_ids),
-                            index)  # fmt: skip
+    return GenerateResponse(
+        out.full_text, out.token_ids, meta_info(rid, out.last, start, lps, tops, out.token_ids), index
+    )
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -104,7 +118,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             outs = await group.collect()
         res = [_response(s, o, start, i if many else None) for i, (s, o) in enumerate(zip(specs, outs))]
         return web.json_response(body=msgspec.json.encode(res if many else res[0]))
-    outs = [Output() for _ in specs]
+    outs = [ResultBuilder() for _ in specs]
     async with group, sse_stream(request) as resp:  # leaving the group aborts what still runs
         async for i, d in group:
             outs[i].add(d)
@@ -139,20 +153,32 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    runner, cfg = state.engine.runner, state.config
-    return web.json_response({
-        "model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "served_model_name": cfg.model_name,
-        "is_generation": True, "architecture": runner.model_config.architecture,
-        "context_length": runner.context_len, "vocab_size": runner.model_config.vocab_size,
-        "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device),
-    })  # fmt: skip
+    info, cfg = state.engine.model_info, state.config
+    return web.json_response(
+        {
+            "model_path": cfg.model_path,
+            "tokenizer_path": cfg.model_path,
+            "served_model_name": cfg.model_name,
+            "is_generation": True,
+            "architecture": info.architecture,
+            "context_length": info.context_len,
+            "vocab_size": info.vocab_size,
+            "dtype": info.dtype,
+            "device": info.device,
+        }
+    )
 
 
 async def get_server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine_state = await state.engine.get_internal_state()
-    info = {**dataclasses.asdict(state.engine.args), **state.config.public(), "version": VERSION,
-            "inflight_generations": state.inflight, "internal_states": [engine_state]}  # fmt: skip
+    info = {
+        **dataclasses.asdict(state.engine.args),
+        **state.config.public(),
+        "version": VERSION,
+        "inflight_generations": state.inflight,
+        "internal_states": [engine_state],
+    }
     return web.json_response(body=msgspec.json.encode(info))
 
 

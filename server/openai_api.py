@@ -16,15 +16,30 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine import InvalidRequestError, ResultBuilder, SamplingParams
 from server.errors import ApiError, abort_error, decode
-from server.generation import GenerationGroup, GenSpec, Output
+from server.generation import GenerationGroup, GenSpec
 from server.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChoiceLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, ImageUrlPart, ModelCard, ModelList, PromptTokensDetails, TokenLogprob, TopLogprob, Usage,
-)  # fmt: skip
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ImageUrlPart,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
 
@@ -50,11 +65,14 @@ def _sampling(state: ServerState, req: Any, max_tokens: int | None) -> SamplingP
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens, seed=req.seed,
-    )  # fmt: skip
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        seed=req.seed,
+    )
     try:
-        sp.verify(state.engine.runner.model_config.vocab_size)
+        sp.verify(state.engine.model_info.vocab_size)
     except InvalidRequestError as e:
         param = _PARAM_NAMES.get(e.param or "", e.param)
         raise ApiError(400, e.message.replace(e.param or "\0", param or ""), param=param) from None
@@ -71,7 +89,7 @@ def _finish_reason(out_reason: str | None) -> str | None:
     return out_reason if out_reason in (None, "stop", "length") else "stop"
 
 
-def _check_done(state: ServerState, out: Output) -> str:
+def _check_done(state: ServerState, out: ResultBuilder) -> str:
     last = out.last
     if last is None or last.finish_reason is None:
         raise ApiError(500, "the generation ended without a finish reason", type="server_error")
@@ -80,7 +98,7 @@ def _check_done(state: ServerState, out: Output) -> str:
     return last.finish_reason
 
 
-def _usage(prompt_outs: list[Any], outs: list[Output] | list[Any], detail: bool = True) -> Usage:
+def _usage(prompt_outs: list[Any], outs: list[ResultBuilder] | list[Any], detail: bool = True) -> Usage:
     """prompt_outs: one delta-like per distinct prompt; outs: one per choice (with completion_tokens)."""
     prompt = sum(d.prompt_tokens for d in prompt_outs if d is not None)
     cached = sum(d.cached_tokens for d in prompt_outs if d is not None)
@@ -95,8 +113,9 @@ def _new_id(prefix: str) -> str:
 # ---- logprobs ---------------------------------------------------------------------------------
 
 
-def _completion_logprobs(state: ServerState, ids: list[int], lps: list[float], tops: list, want_top: bool,
-                         offset: int) -> CompletionLogprobs:  # fmt: skip
+def _completion_logprobs(
+    state: ServerState, ids: list[int], lps: list[float], tops: list, want_top: bool, offset: int
+) -> CompletionLogprobs:
     tokens = [state.token_text(t) for t in ids]
     offsets = []
     for tok in tokens:
@@ -133,8 +152,11 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         return [list(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return list(prompt)
-    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
-                   "lists", param="prompt")  # fmt: skip
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        param="prompt",
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -152,9 +174,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = _completion_prompts(req.prompt)
     n = req.n or 1
     rid = _new_id("cmpl")
-    specs = [GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0)
-             for pi, p in enumerate(prompts) for j, s in enumerate(_samples(sp, n))]  # fmt: skip
-    echo = [(p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+    specs = [
+        GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0)
+        for pi, p in enumerate(prompts)
+        for j, s in enumerate(_samples(sp, n))
+    ]
+    echo = [(p if isinstance(p, str) else state.engine.detokenize(p)) if req.echo else "" for p in prompts]
     group = GenerationGroup(state, specs)
     created, model = int(time.time()), state.config.model_name
     if req.stream:
@@ -165,15 +190,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, out in enumerate(outs):
         reason = _check_done(state, out)
         prefix = echo[i // n]
-        lp = (_completion_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs, bool(req.logprobs),
-                                   len(prefix)) if want_lp else None)  # fmt: skip
+        lp = (
+            _completion_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs, bool(req.logprobs), len(prefix))
+            if want_lp
+            else None
+        )
         choices.append(CompletionChoice(i, prefix + out.full_text, lp, _finish_reason(reason)))
     usage = _usage([outs[pi * n].last for pi in range(len(prompts))], [o.last for o in outs])
     return web.json_response(body=msgspec.json.encode(CompletionResponse(rid, created, model, choices, usage)))
 
 
-async def _stream_completion(request: web.Request, state: ServerState, req: CompletionRequest, group: GenerationGroup,
-                             rid: str, created: int, echo: list[str], n: int) -> web.StreamResponse:  # fmt: skip
+async def _stream_completion(
+    request: web.Request,
+    state: ServerState,
+    req: CompletionRequest,
+    group: GenerationGroup,
+    rid: str,
+    created: int,
+    echo: list[str],
+    n: int,
+) -> web.StreamResponse:
     model = state.config.model_name
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     last: dict[int, Any] = {}
@@ -188,8 +224,9 @@ async def _stream_completion(request: web.Request, state: ServerState, req: Comp
                 raise abort_error(d.error, state.engine.healthy)
             lp = None
             if req.logprobs is not None and d.token_ids:
-                lp = _completion_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [],
-                                          bool(req.logprobs), offsets[i])  # fmt: skip
+                lp = _completion_logprobs(
+                    state, d.token_ids, d.logprobs or [], d.top_logprobs or [], bool(req.logprobs), offsets[i]
+                )
                 offsets[i] += sum(len(t) for t in lp.tokens)
             if not d.text and lp is None and d.finish_reason is None:
                 continue
@@ -256,8 +293,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(body=msgspec.json.encode(ChatCompletionResponse(rid, created, model, choices, usage)))
 
 
-async def _stream_chat(request: web.Request, state: ServerState, req: ChatCompletionRequest, group: GenerationGroup,
-                       rid: str, created: int) -> web.StreamResponse:  # fmt: skip
+async def _stream_chat(
+    request: web.Request, state: ServerState, req: ChatCompletionRequest, group: GenerationGroup, rid: str, created: int
+) -> web.StreamResponse:
     model = state.config.model_name
     include_usage = req.stream_options is not None and req.stream_options.include_usage
 
@@ -278,8 +316,7 @@ async def _stream_chat(request: web.Request, state: ServerState, req: ChatComple
             if d.text or lp is not None:
                 await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(content=d.text), lp)]))
             if d.finish_reason is not None:
-                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None,
-                                                              _finish_reason(d.finish_reason))]))  # fmt: skip
+                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None, _finish_reason(d.finish_reason))]))
         else:
             if include_usage:
                 await send_event(resp, chunk([], _usage([last.get(0)], list(last.values()))))

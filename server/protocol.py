@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
-from engine.sampling import SamplingParams
+from engine import SamplingParams
 from server.errors import ErrorInfo
 
 # ---- OpenAI requests -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class ServerState:
 
     @property
     def context_len(self) -> int:
-        return self.engine.runner.context_len
+        return self.engine.model_info.context_len
 
     def admit(self, n: int) -> Callable[[], None]:
         """Reserve room for `n` generations or raise a 503; returns the (idempotent) release."""
@@ -48,8 +48,9 @@ class ServerState:
         if self.max_inflight is not None and self.inflight + n > self.max_inflight:
             raise unavailable(
                 f"the request queue is full ({self.inflight} generations in flight, at most "
-                f"{self.config.max_queued_requests} may queue); retry later", code="queue_full",
-            )  # fmt: skip
+                f"{self.config.max_queued_requests} may queue); retry later",
+                code="queue_full",
+            )
         self.inflight += n
         self.idle.clear()
         released = False
@@ -70,12 +71,16 @@ class ServerState:
         Otherwise 404 with OpenAI's body for it (type invalid_request_error, code model_not_found).
         """
         if model is not None and model not in (self.config.model_name, self.config.model_path):
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.config.model_name!r}", param="model", code="model_not_found",
-                           type="invalid_request_error")  # fmt: skip
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+                type="invalid_request_error",
+            )
 
     def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        return self.engine.detokenize([token_id])
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)

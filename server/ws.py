@@ -18,6 +18,7 @@ closed (1001) once its running ones finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -89,18 +90,17 @@ class WsSession:
             async for i, d in run.group:
                 done = d.finish_reason is not None
                 meta = meta_info(d.rid, d, t0) if done else None
-                await self.send(WsDelta(gen_id, d.text, d.token_ids, finish_reason_obj(d), meta,
-                                        i if run.many else None))  # fmt: skip
+                await self.send(
+                    WsDelta(gen_id, d.text, d.token_ids, finish_reason_obj(d), meta, i if run.many else None)
+                )
                 if done:
                     run.finished.add(i)
         except ConnectionResetError:
             pass  # the socket is gone; the handler's cleanup aborts the rest
         except Exception as e:
             err = to_api_error(e) or ApiError(500, f"internal error: {e!r}", type="server_error")
-            try:
+            with contextlib.suppress(ConnectionResetError):
                 await self.send_error(gen_id, err)
-            except ConnectionResetError:
-                pass
         finally:
             await run.group.aclose()
             if self.running.get(gen_id) is run:
@@ -117,8 +117,16 @@ class WsSession:
         await run.group.aclose()  # aborted in the engine: memory freed before we answer
         for i in range(len(run.group.specs)):
             if i not in run.finished:
-                await self.send(WsDelta(gen_id, "", [], {"type": "abort", "message": "cancelled by the client"},
-                                        None, i if run.many else None))  # fmt: skip
+                await self.send(
+                    WsDelta(
+                        gen_id,
+                        "",
+                        [],
+                        {"type": "abort", "message": "cancelled by the client"},
+                        None,
+                        i if run.many else None,
+                    )
+                )
 
     async def close_all(self) -> None:
         """The socket is gone: abort everything still running on it."""
@@ -133,10 +141,10 @@ class WsSession:
 
     def drain(self) -> None:
         """Shutdown: let running generations finish (new ones get 503), then close the socket."""
+
         async def wait_and_close() -> None:
             while self.running:
-                await asyncio.gather(*(r.task for r in list(self.running.values()) if r.task),
-                                     return_exceptions=True)  # fmt: skip
+                await asyncio.gather(*(r.task for r in list(self.running.values()) if r.task), return_exceptions=True)
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
         if self._drain_task is None:

@@ -7,9 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import uvloop  # noqa: E402
+import pytest
+import torch
+import uvloop
 
 torch.set_num_threads(1)
 

@@ -27,15 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from engine.actors.scheduler import Scheduler  # noqa: E402
-from engine.model_executor.cuda_graph_runner import DecodeGraphRunner, padded_batch_size  # noqa: E402
-from engine.model_executor.model_runner import ModelRunner  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler.batch import Req, ScheduleBatch  # noqa: E402
-from engine.server_args import ServerArgs  # noqa: E402
-from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts, run_sync  # noqa: E402
+from engine import SyncScheduler
+from engine.model_executor.cuda_graph_runner import DecodeGraphRunner, padded_batch_size
+from engine.model_executor.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler.batch import Req, ScheduleBatch
+from engine.server_args import ServerArgs
+from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts
 
 FAILURES: list[str] = []
 MAX_BS = 8
@@ -49,9 +49,15 @@ def report(name: str, ok: bool, detail: str = "") -> None:
 
 def runner_for(folder: Path, device: str, backend: str, graphs: bool) -> tuple[ModelRunner, ServerArgs]:
     return make_runner(
-        folder, device=device, attention_backend=backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=MAX_BS,
-        max_running_requests=16, max_total_tokens=2048, disable_radix_cache=True,  # every run frees all it took
-    )  # fmt: skip
+        folder,
+        device=device,
+        attention_backend=backend,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=MAX_BS,
+        max_running_requests=16,
+        max_total_tokens=2048,
+        disable_radix_cache=True,  # every run frees all it took
+    )
 
 
 class FrozenHostArgs(DecodeGraphRunner):
@@ -68,19 +74,26 @@ def eager_graph_runner(runner: ModelRunner) -> DecodeGraphRunner:
     """The decode graph runner over this runner's model and memory, not captured (CPU); with the
     Triton backend its replays use capture-time host arguments (FrozenHostArgs)."""
     cls = FrozenHostArgs if runner.attn_backend_name == "triton" else DecodeGraphRunner
-    return cls(runner.model, runner.attn_backend, runner.req_to_token_pool, runner.kv_cache,
-               runner.model_config.vocab_size, MAX_BS, runner.device)  # fmt: skip
+    return cls(
+        runner.model,
+        runner.attn_backend,
+        runner.req_to_token_pool,
+        runner.kv_cache,
+        runner.model_config.vocab_size,
+        MAX_BS,
+        runner.device,
+    )
 
 
 def greedy_tokens(runner: ModelRunner, args: ServerArgs, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    sched = Scheduler(runner, args)
+    sched = SyncScheduler(runner, args)
     # different lengths: the decode batch shrinks 3 -> 2 -> 1 (padded to 4, 2, 1)
     params = [SamplingParams(temperature=0.0, max_new_tokens=max_new + 2 * i) for i in range(len(prompts))]
     reqs = [new_req(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     for r in reqs:
-        sched.add_request(r)
-    run_sync(sched, overlap=True)
-    sched.check_memory()
+        sched.add(r)
+    sched.run_until_idle(overlap=True)
+    sched.scheduler.check_memory()
     return [r.output_ids for r in reqs]
 
 
@@ -109,8 +122,9 @@ def _prefill(runner: ModelRunner, prompts: list[list[int]]) -> ScheduleBatch:
     reqs = [Req(f"s{i}", p, params, seed=i + 1, max_context_len=runner.context_len) for i, p in enumerate(prompts)]
     for r in reqs:
         r.init_next_round_input()
-    batch = ScheduleBatch.init_new(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, None,
-                                   runner.model_config.vocab_size)  # fmt: skip
+    batch = ScheduleBatch.init_new(
+        reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, None, runner.model_config.vocab_size
+    )
     assert batch.prepare_for_extend()
     out = runner.forward_batch_generation(batch.get_model_worker_batch())
     for r, t in zip(reqs, out.next_token_ids_list()):
@@ -139,7 +153,7 @@ def check_static(folder: Path, device: str, backend: str = "triton") -> None:
         eager = runner.forward(mwb)
         table = runner.req_to_token_pool.req_to_token.clone()
         pool = [t.clone() for t in runner.kv_cache.k_buffer + runner.kv_cache.v_buffer]
-        static = graph_runner.replay(mwb, runner.last_token_ids).clone()
+        static = graph_runner.replay(runner.init_forward_batch(mwb)).clone()
         err = ((static - eager).abs().max() / eager.abs().max()).item()
         same_argmax = torch.equal(static.argmax(-1), eager.argmax(-1))
         label = f"static {backend} n={n} padded to {padded_batch_size(n, graph_runner.sizes)}"

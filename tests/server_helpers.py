@@ -45,8 +45,13 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -57,12 +62,26 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        self.cmd = [sys.executable, "-m", "server", "--model-path", model, "--port", str(self.port),
-                    "--dtype", dtype, "--torch-threads", "1", "--device", "cpu", *args]  # fmt: skip
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "--model-path",
+            model,
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--torch-threads",
+            "1",
+            "--device",
+            "cpu",
+            *args,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> ServerProcess:
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT)
         return self
 

@@ -1,4 +1,4 @@
-"""Actor runtime: typed mailboxes, lifecycle, crash supervision, recv_or, msgpack codec.
+"""Actor runtime: typed mailboxes, lifecycle, crash supervision, recv_or, selective receive.
 
 Every test body runs under `asyncio.timeout` so a runtime bug fails fast instead of hanging.
 """
@@ -8,17 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Union
 
 import msgspec
 import pytest
 
-from engine.actors.runtime import (
-    Actor,
-    ActorState,
-    ActorStats,
-    ActorStoppedError,
-    mailbox_codec,
-)
+from engine.actors.runtime import Actor, ActorState, ActorStats, ActorStoppedError
 from engine.actors.supervisor import ActorSystem
 
 T = 5.0  # per-test ceiling, seconds
@@ -51,10 +46,13 @@ class Recorder(Actor):
         self.events: list[str] = []
         self.crashes: list[BaseException] = []
         self.delay = delay
-        self.stopped = asyncio.Event()
 
-    async def on_start(self) -> None:
+    async def run(self) -> None:
         self.events.append("start")
+        try:
+            await super().run()
+        finally:  # a clean stop and a crash both end the task
+            self.events.append(f"end after {len(self.seen)}")
 
     async def handle(self, msg: msgspec.Struct) -> None:
         if isinstance(msg, Boom):
@@ -63,10 +61,6 @@ class Recorder(Actor):
         if self.delay:
             await asyncio.sleep(self.delay)
         self.seen.append(msg.n)
-
-    async def on_stop(self) -> None:
-        self.events.append(f"stop after {len(self.seen)}")
-        self.stopped.set()
 
     async def on_crash(self, exc: BaseException) -> None:
         assert self.error is exc
@@ -84,7 +78,7 @@ async def test_wrong_type_fails_at_sender() -> None:
         a.send(Pong(1))
     with pytest.raises(TypeError, match="not Untagged"):
         a.send(Untagged(1))  # type: ignore[arg-type]
-    assert a.depth == 0
+    assert a.stats().depth == 0
 
 
 def test_bad_accepts_rejected_at_class_definition() -> None:
@@ -93,7 +87,7 @@ def test_bad_accepts_rejected_at_class_definition() -> None:
         class _A(Actor):
             accepts = (Ping, Untagged)
 
-    with pytest.raises(TypeError, match="not a msgspec.Struct"):
+    with pytest.raises(TypeError, match=r"not a msgspec\.Struct"):
 
         class _B(Actor):
             accepts = (int,)  # type: ignore[assignment]
@@ -143,7 +137,7 @@ async def test_stop_processes_pending_then_stops() -> None:
             a.send(Ping(i))
         await a.stop(timeout=T)
         assert a.seen == list(range(50))
-        assert a.events == ["start", "stop after 50"]
+        assert a.events == ["start", "end after 50"]
         assert not a.running and a.state is ActorState.STOPPED and a.error is None
         with pytest.raises(ActorStoppedError, match="stopped"):
             a.send(Ping(99))
@@ -156,7 +150,7 @@ async def test_sends_fail_while_stopping() -> None:
         a.send(Ping(0))
         stopping = asyncio.create_task(a.stop(timeout=T))
         await asyncio.sleep(0)
-        assert a.stopping
+        assert a.state is ActorState.STOPPING
         with pytest.raises(ActorStoppedError, match="stopping"):
             a.send(Ping(1))
         await stopping
@@ -197,8 +191,11 @@ async def test_stop_all_reverse_order_finishes_with_wedged_actor() -> None:
         order: list[str] = []
 
         class Tracked(Recorder):
-            async def on_stop(self) -> None:
-                order.append(self.name)
+            async def run(self) -> None:
+                try:
+                    await super().run()
+                finally:
+                    order.append(self.name)
 
         sysm = ActorSystem(stop_timeout=0.1)
         first, wedged, last = Tracked("first"), Wedged("wedged"), Tracked("last")
@@ -240,53 +237,11 @@ async def test_crash_marks_unhealthy_calls_on_crash_and_rejects_sends(caplog) ->
         assert reported == [("victim", exc)] and sysm.crashed == [("victim", exc)]
         assert a.state is ActorState.CRASHED and not a.running
         assert "'victim' crashed" in caplog.text and "bad input" in caplog.text
-        with pytest.raises(ActorStoppedError, match="victim.*crashed.*bad input") as ei:
+        with pytest.raises(ActorStoppedError, match=r"victim.*crashed.*bad input") as ei:
             a.send(Ping(2))
         assert ei.value.cause is exc
-        assert a.seen == [1] and "stop after 1" not in a.events  # on_stop is for clean stops
+        assert a.seen == [1]
         await sysm.stop_all()  # stopping a crashed actor is a no-op, not a hang
-
-
-async def test_crash_in_on_start_is_a_crash() -> None:
-    async with asyncio.timeout(T):
-
-        class BadStart(Recorder):
-            async def on_start(self) -> None:
-                raise ValueError("no device")
-
-        crashed = asyncio.Event()
-        sysm = ActorSystem(on_crash=lambda n, e: crashed.set())
-        a = sysm.add(BadStart())
-        sysm.start_all()
-        await crashed.wait()
-        assert isinstance(a.error, ValueError) and not sysm.healthy
-
-
-async def test_restart_keeps_mailbox_and_respects_max() -> None:
-    async with asyncio.timeout(T):
-        crashes = 0
-
-        def on_crash(name: str, exc: BaseException) -> None:
-            nonlocal crashes
-            crashes += 1
-
-        sysm = ActorSystem(on_crash=on_crash)
-        a = sysm.add(Recorder("flaky"), restart_policy="restart", max_restarts=2)
-        assert isinstance(a, Recorder)
-        # Queued before start: each Boom kills the task; the Pings behind it must survive.
-        for m in (Ping(0), Boom(), Ping(1), Boom(), Ping(2)):
-            a.send(m)
-        sysm.start_all()
-        await wait_until(lambda: a.seen == [0, 1, 2])
-        assert a.running and sysm.healthy and crashes == 2
-        assert a.events == ["start", "start", "start"]  # a fresh on_start per task
-        assert a.stats().restarts == 2 and len(sysm.crashed) == 2
-        a.send(Boom("third"))  # restarts used up
-        await wait_until(lambda: crashes == 3)
-        assert not sysm.healthy and a.state is ActorState.CRASHED
-        with pytest.raises(ActorStoppedError):
-            a.send(Ping(3))
-        await sysm.stop_all()
 
 
 class Step(msgspec.Struct, tag=True):
@@ -380,7 +335,7 @@ async def test_recv_or_rejects_bare_coroutine() -> None:
         assert errors and "Future or Task" in str(errors[0])
 
 
-async def test_drain_and_recv_nowait() -> None:
+async def test_drain() -> None:
     async with asyncio.timeout(T):
         got: list[list[int]] = []
         go = asyncio.Event()
@@ -389,11 +344,9 @@ async def test_drain_and_recv_nowait() -> None:
             accepts = (Ping,)
 
             async def run(self) -> None:
-                assert self.recv_nowait() is None and self.drain() == []
+                assert self.drain() == []
                 await go.wait()
-                first = self.recv_nowait()
-                assert isinstance(first, Ping)
-                got.append([first.n] + [m.n for m in self.drain()])
+                got.append([m.n for m in self.drain()])
                 await self.recv()  # stop() unwinds this once the mailbox is empty
 
         b = Batcher()
@@ -409,12 +362,46 @@ async def test_drain_and_recv_nowait() -> None:
 
 
 def test_msgpack_round_trip_of_a_three_type_union() -> None:
-    enc, dec = mailbox_codec((Ping, Pong, Boom))
+    """What the tagged-Struct rule buys: a mailbox's union decodes from msgpack to the sent types."""
+
+    class Three(Actor):
+        accepts = (Ping, Pong, Boom)
+
+    dec = msgspec.msgpack.Decoder(Union[Three.accepts])  # noqa: UP007
     msgs = [Ping(1), Pong(2), Boom("x"), Ping(3)]
-    out = [dec.decode(enc.encode(m)) for m in msgs]
+    out = [dec.decode(msgspec.msgpack.encode(m)) for m in msgs]
     assert out == msgs and [type(m) for m in out] == [Ping, Pong, Boom, Ping]
-    with pytest.raises(TypeError, match="not a tagged Struct"):
-        mailbox_codec((Ping, Untagged))
+
+
+async def test_recv_matching_takes_one_reply_and_keeps_the_rest_in_order() -> None:
+    async with asyncio.timeout(T):
+        got: list[object] = []
+        asked = asyncio.Event()
+
+        class Asker(Actor):
+            accepts = (Ping, Pong)
+
+            async def run(self) -> None:
+                await asked.wait()
+                reply = await self.recv_matching(lambda m: isinstance(m, Pong) and m.n == 7)
+                got.append(("reply", reply.n))
+                got.extend(("later", m.n) for m in self.drain())
+                await self.recv()
+
+        a = Asker()
+        a.start()
+        a.send(Ping(1))
+        a.send(Pong(3))  # a Pong, but not the awaited one
+        asked.set()
+        await asyncio.sleep(0.01)
+        assert got == []  # still waiting: nothing else was consumed
+        a.send(Ping(2))
+        a.send(Pong(7))
+        a.send(Ping(4))
+        await wait_until(lambda: len(got) == 5)
+        assert got == [("reply", 7), ("later", 1), ("later", 3), ("later", 2), ("later", 4)]
+        await a.stop(timeout=T)
+        assert a.state is ActorState.STOPPED
 
 
 class Player(Actor):
@@ -456,5 +443,7 @@ def test_system_rejects_duplicate_names() -> None:
     sysm.add(Recorder("x"))
     with pytest.raises(ValueError, match="already"):
         sysm.add(Recorder("x"))
-    with pytest.raises(ValueError, match="restart_policy"):
-        sysm.add(Recorder("y"), restart_policy="always")  # type: ignore[arg-type]
+    y = Recorder("y")
+    sysm.add(y)
+    with pytest.raises(ValueError, match="already belongs"):
+        ActorSystem().add(y)

@@ -13,8 +13,14 @@ import torch
 
 from bench.gpu import MODELS, parse_args
 from bench.gpu_metrics import (
-    STEP_PREFIX, bandwidth_floor_s, copy_bandwidth, decode_bytes_read, format_table, idle_between_steps, step_spans,
-)  # fmt: skip
+    STEP_PREFIX,
+    bandwidth_floor_s,
+    copy_bandwidth,
+    decode_bytes_read,
+    format_table,
+    idle_between_steps,
+    step_spans,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_parse_args_defaults_and_overrides():
     a = parse_args([])
     assert a.models == list(MODELS) and a.batch_sizes == [1, 32, 256] and not a.skip_hf and a.json is None
-    a = parse_args(["--models", "smollm2-135m", "--batch-sizes", "4", "8", "--input-len", "64", "--skip-hf",
-                    "--json", "out.json"])  # fmt: skip
+    a = parse_args(
+        ["--models", "smollm2-135m", "--batch-sizes", "4", "8", "--input-len", "64", "--skip-hf", "--json", "out.json"]
+    )
     assert a.models == ["smollm2-135m"] and a.batch_sizes == [4, 8] and a.input_len == 64 and a.skip_hf
     assert a.json == Path("out.json")
     for bad in (["--batch-sizes", "0"], ["--decode-steps", "0"], ["--input-len", "x"]):
@@ -55,8 +62,16 @@ def _trace() -> list[dict]:
         ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": STEP_PREFIX + mode, "ts": ts + 1, "dur": dur})
 
     def launch(corr: int, ts: float, gpu_ts: float, gpu_dur: float, cat: str = "kernel") -> None:
-        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
-                   "args": {"correlation": corr}})  # fmt: skip
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "ts": ts,
+                "dur": 1,
+                "args": {"correlation": corr},
+            }
+        )
         ev.append({"ph": "X", "cat": cat, "name": "k", "ts": gpu_ts, "dur": gpu_dur, "args": {"correlation": corr}})
 
     step("decode", 0, 10)
@@ -92,7 +107,8 @@ def test_format_table():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_exits_fast_without_cuda():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--skip-hf"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--skip-hf"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr

@@ -7,6 +7,7 @@ shared tiny server of tests/server_helpers.py is reused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -17,9 +18,17 @@ import pytest
 
 from bench import serving
 from bench.serving_datasets import (
-    Conversation, RandomText, ShareGPTSynthetic, Turn, multi_turn_dataset, random_dataset, sample_lengths,
-    shared_prefix_dataset, sharegpt_synthetic_dataset, sharegpt_synthetic_lengths,
-)  # fmt: skip
+    Conversation,
+    RandomText,
+    ShareGPTSynthetic,
+    Turn,
+    multi_turn_dataset,
+    random_dataset,
+    sample_lengths,
+    shared_prefix_dataset,
+    sharegpt_synthetic_dataset,
+    sharegpt_synthetic_lengths,
+)
 from tests.server_helpers import REPO, free_port, server_env, tiny_model_dir, tiny_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,9 +48,24 @@ async def _run(url: str, tokenizer, *extra: str, conversations=None):
 @pytest.mark.parametrize("backend", ["openai", "native", "ws"])
 async def test_random_dataset_per_backend(tiny_server, default_tokenizer, tmp_path, backend):
     out_file = tmp_path / "result.json"
-    res = await _run(tiny_server.url, default_tokenizer, "--backend", backend, "--num-prompts", "5",
-                     "--random-input-len", "40", "--random-output-len", "12", "--random-range-ratio", "0.5",
-                     "--warmup-requests", "1", "--output-file", str(out_file))  # fmt: skip
+    res = await _run(
+        tiny_server.url,
+        default_tokenizer,
+        "--backend",
+        backend,
+        "--num-prompts",
+        "5",
+        "--random-input-len",
+        "40",
+        "--random-output-len",
+        "12",
+        "--random-range-ratio",
+        "0.5",
+        "--warmup-requests",
+        "1",
+        "--output-file",
+        str(out_file),
+    )
     m = res.metrics
     assert (m.completed, m.failed) == (5, 0), m.errors
     expected = random_dataset(default_tokenizer, 5, 40, 12, 0.5, seed=1)  # the same seed: the same prompts
@@ -65,9 +89,26 @@ async def test_random_dataset_per_backend(tiny_server, default_tokenizer, tmp_pa
 
 
 async def test_shared_prefix_dataset_runs(tiny_server, default_tokenizer):
-    res = await _run(tiny_server.url, default_tokenizer, "--backend", "native", "--dataset", "shared-prefix",
-                     "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "64",
-                     "--gsp-question-len", "8", "--gsp-output-len", "6", "--max-concurrency", "1")  # fmt: skip
+    res = await _run(
+        tiny_server.url,
+        default_tokenizer,
+        "--backend",
+        "native",
+        "--dataset",
+        "shared-prefix",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "64",
+        "--gsp-question-len",
+        "8",
+        "--gsp-output-len",
+        "6",
+        "--max-concurrency",
+        "1",
+    )
     assert (res.metrics.completed, res.metrics.failed) == (6, 0), res.metrics.errors
     assert [r.group for r in res.records] == [0, 0, 0, 1, 1, 1]
     assert all(r.output_tokens == 6 for r in res.records)
@@ -79,14 +120,29 @@ async def test_shared_prefix_dataset_runs(tiny_server, default_tokenizer):
 
 @pytest.mark.parametrize("backend", ["openai", "ws"])
 async def test_multi_turn_dataset_runs(tiny_server, default_tokenizer, backend):
-    res = await _run(tiny_server.url, default_tokenizer, "--backend", backend, "--dataset", "multi-turn",
-                     "--num-prompts", "2", "--multi-turn-num-turns", "3", "--random-input-len", "24",
-                     "--random-output-len", "6", "--random-range-ratio", "0.5")  # fmt: skip
+    res = await _run(
+        tiny_server.url,
+        default_tokenizer,
+        "--backend",
+        backend,
+        "--dataset",
+        "multi-turn",
+        "--num-prompts",
+        "2",
+        "--multi-turn-num-turns",
+        "3",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "6",
+        "--random-range-ratio",
+        "0.5",
+    )
     assert (res.metrics.completed, res.metrics.failed) == (6, 0), res.metrics.errors
     for conv in (0, 1):
         turns = [r for r in res.records if r.conversation == conv]
         assert [r.turn for r in turns] == [0, 1, 2]
-        for prev, nxt in zip(turns, turns[1:]):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt.start_ms >= prev.start_ms + prev.e2e_ms  # sent after the previous reply ended
             assert nxt.prompt_tokens > prev.prompt_tokens + 8  # the history grows by a turn of >= 12 tokens
             assert nxt.cached_tokens > 0  # ... and the server reuses it
@@ -97,8 +153,7 @@ async def test_failures_are_counted_not_fatal(tiny_server, default_tokenizer):
     rng = np.random.default_rng(0)
     ok_text, ok_len = maker.make(rng, 16)
     long_text, long_len = maker.make(rng, 2100)  # beyond the tiny model's 2048-token context
-    convs = [Conversation([Turn(t, n, 4, n)]) for t, n in [(ok_text, ok_len), (long_text, long_len),
-                                                           (ok_text, ok_len)]]  # fmt: skip
+    convs = [Conversation([Turn(t, n, 4, n)]) for t, n in [(ok_text, ok_len), (long_text, long_len), (ok_text, ok_len)]]
     for backend in ("openai", "native", "ws"):
         res = await _run(tiny_server.url, default_tokenizer, "--backend", backend, conversations=convs)
         assert (res.metrics.completed, res.metrics.failed) == (2, 1), backend
@@ -107,15 +162,43 @@ async def test_failures_are_counted_not_fatal(tiny_server, default_tokenizer):
         assert "context length" in serving.format_table(res)
     # Nothing listening: every request fails with the connection error, the run still returns.
     dead = f"http://127.0.0.1:{free_port()}"
-    res = await _run(dead, default_tokenizer, "--backend", "native", "--model", "m", "--tokenizer", "t",
-                     "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2")  # fmt: skip
+    res = await _run(
+        dead,
+        default_tokenizer,
+        "--backend",
+        "native",
+        "--model",
+        "m",
+        "--tokenizer",
+        "t",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+    )
     assert (res.metrics.completed, res.metrics.failed) == (0, 3)
     assert "Connect" in res.records[0].error, res.records[0].error
 
 
 async def test_flush_cache(tiny_server, default_tokenizer):
-    flags = ("--backend", "native", "--num-prompts", "3", "--random-input-len", "24", "--random-output-len", "2",
-             "--random-range-ratio", "1", "--seed", "11", "--max-concurrency", "1")  # fmt: skip
+    flags = (
+        "--backend",
+        "native",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "2",
+        "--random-range-ratio",
+        "1",
+        "--seed",
+        "11",
+        "--max-concurrency",
+        "1",
+    )
     await _run(tiny_server.url, default_tokenizer, *flags)
     again = await _run(tiny_server.url, default_tokenizer, *flags)
     assert all(r.cached_tokens >= 20 for r in again.records)  # the same prompts: cached
@@ -128,9 +211,26 @@ def test_cli_all_failed_exits_1_with_report(tiny_server, tiny_model_dir, tmp_pat
     """The real command line, once: a wrong --model fails every request (exit status 1 by the
     documented policy), yet the report and the JSON file are complete."""
     out_file = tmp_path / "fail.json"
-    cmd = [sys.executable, "-m", "bench.serving", *_args(tiny_server.url, "--model", "no-such-model",
-           "--tokenizer", tiny_model_dir, "--num-prompts", "3",
-           "--random-input-len", "8", "--random-output-len", "4", "--output-file", str(out_file))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.serving",
+        *_args(
+            tiny_server.url,
+            "--model",
+            "no-such-model",
+            "--tokenizer",
+            tiny_model_dir,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            "--output-file",
+            str(out_file),
+        ),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=server_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Serving Benchmark Result" in proc.stdout
@@ -143,10 +243,29 @@ def test_cli_all_failed_exits_1_with_report(tiny_server, tiny_model_dir, tmp_pat
 
 def test_main_plot_and_poisson_rate(tiny_server, tiny_model_dir, tmp_path, capsys):
     png, out_file = tmp_path / "plot.png", tmp_path / "r.json"
-    rc = serving.main(_args(tiny_server.url, "--backend", "openai", "--tokenizer", tiny_model_dir,
-                            "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "8",
-                            "--request-rate", "20", "--seed", "3", "--plot", str(png),
-                            "--output-file", str(out_file)))  # fmt: skip
+    rc = serving.main(
+        _args(
+            tiny_server.url,
+            "--backend",
+            "openai",
+            "--tokenizer",
+            tiny_model_dir,
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--request-rate",
+            "20",
+            "--seed",
+            "3",
+            "--plot",
+            str(png),
+            "--output-file",
+            str(out_file),
+        )
+    )
     assert rc == 0
     assert "Successful requests:                     4" in capsys.readouterr().out
     blob = png.read_bytes()
@@ -192,10 +311,10 @@ def test_shared_prefix_dataset_groups(default_tokenizer):
     assert convs == shared_prefix_dataset(default_tokenizer, 3, 4, 32, 8, 5, seed=2)
     assert [c.group for c in convs] == [g for g in range(3) for _ in range(4)]
     systems = [c.turns[0].text.split("\n\n")[0] for c in convs]
-    questions = [c.turns[0].text[len(s):] for c, s in zip(convs, systems)]
+    questions = [c.turns[0].text[len(s) :] for c, s in zip(convs, systems)]
     for g in range(3):
-        assert len(set(systems[4 * g:4 * g + 4])) == 1  # one prefix per group
-        assert len(set(questions[4 * g:4 * g + 4])) == 4  # distinct questions
+        assert len(set(systems[4 * g : 4 * g + 4])) == 1  # one prefix per group
+        assert len(set(questions[4 * g : 4 * g + 4])) == 4  # distinct questions
     assert len(set(systems)) == 3
     assert all(c.turns[0].output_len == 5 and abs(c.turns[0].prompt_len - 40) <= 4 for c in convs)
 
@@ -219,15 +338,16 @@ def test_sharegpt_synthetic(default_tokenizer):
     assert 150 < ins.mean() < 260 and 150 < outs.mean() < 240  # ShareGPT-like means (see the docstring)
     convs = sharegpt_synthetic_dataset(default_tokenizer, 6, seed=4)
     assert convs == sharegpt_synthetic_dataset(default_tokenizer, 6, seed=4)
-    assert [(c.turns[0].target_len, c.turns[0].output_len) for c in convs] == \
-        sharegpt_synthetic_lengths(np.random.default_rng(4), 6, p)  # fmt: skip
+    assert [(c.turns[0].target_len, c.turns[0].output_len) for c in convs] == sharegpt_synthetic_lengths(
+        np.random.default_rng(4), 6, p
+    )
 
 
 def test_poisson_arrivals():
     times = serving.poisson_arrivals(400, 10.0, seed=0)
     assert times == serving.poisson_arrivals(400, 10.0, seed=0)
     assert times != serving.poisson_arrivals(400, 10.0, seed=1)
-    assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:]))
+    assert times[0] == 0.0 and all(b > a for a, b in itertools.pairwise(times))
     gaps = np.diff(times)
     assert 0.085 < gaps.mean() < 0.115  # mean 1 / rate
     assert 0.8 < gaps.std() / gaps.mean() < 1.2  # exponential: coefficient of variation 1

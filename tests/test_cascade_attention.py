@@ -14,15 +14,16 @@ import asyncio
 import pytest
 import torch
 
-from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine import Engine
-from engine.model_executor.forward_batch_info import ForwardBatch
-from engine.layers import attention_torch, shared_prefix
+from engine.cache.memory_pool import KVCache, ReqToTokenPool
+from engine.layers import shared_prefix
+from engine.layers.attention_cpu import CpuAttnBackend
+from engine.layers.attention_ops import HeadLayout
 from engine.layers.attention_torch import TorchAttnBackend
+from engine.layers.cascade import CascadeDecodePlan
 from engine.layers.shared_prefix import plan_shared_prefix
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from engine.sampling import SamplingParams
-from engine.model_executor.forward_batch_info import ForwardMode
-from engine.server_args import ServerArgs
 from tests.hf_reference import hf_greedy_outputs
 
 H, KVH, D = 6, 2, 64
@@ -76,7 +77,9 @@ def test_planner_declines_when_sharing_does_not_pay():
     # (rows narrower than the shared-prefix threshold).
     assert plan_shared_prefix(table[:2], [1, 1]) is None
     assert plan_shared_prefix(table[:3, :5], [5, 4, 5]) is None
-    assert plan_shared_prefix(table[:3, : shared_prefix.MIN_SHARED_PREFIX], [shared_prefix.MIN_SHARED_PREFIX] * 3) is None
+    assert (
+        plan_shared_prefix(table[:3, : shared_prefix.MIN_SHARED_PREFIX], [shared_prefix.MIN_SHARED_PREFIX] * 3) is None
+    )
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch"])
@@ -93,20 +96,34 @@ def test_cascade_decode_equals_plain_decode(dtype, cpu_kernel):
         cache.k_buffer[layer].copy_(torch.randn(4000, KVH, D, generator=gen))
         cache.v_buffer[layer].copy_(torch.randn(4000, KVH, D, generator=gen))
     outs = {}
+    backend_class = CpuAttnBackend if cpu_kernel else TorchAttnBackend
     for cascade in (True, False):
-        be = TorchAttnBackend(H, KVH, D, D**-0.5, cascade=cascade, cpu_kernel=cpu_kernel)
+        be = backend_class(HeadLayout(H, KVH, D, D**-0.5), cascade=cascade)
         last = torch.tensor([table[i, n - 1] for i, n in enumerate(seq_lens)])
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=torch.zeros(b, dtype=torch.int64),
-            positions=torch.tensor(seq_lens) - 1, req_pool_indices=torch.arange(b), seq_lens=torch.tensor(seq_lens),
-            seq_lens_cpu=list(seq_lens), out_cache_loc=last, extend_seq_lens=[1] * b, extend_prefix_lens=list(seq_lens),
-            req_to_token_pool=rtp, token_to_kv_pool=cache, attn_backend=be,
-        )  # fmt: skip
+            forward_mode=ForwardMode.DECODE,
+            batch_size=b,
+            input_ids=torch.zeros(b, dtype=torch.int64),
+            positions=torch.tensor(seq_lens) - 1,
+            req_pool_indices=torch.arange(b),
+            seq_lens=torch.tensor(seq_lens),
+            seq_lens_cpu=list(seq_lens),
+            out_cache_loc=last,
+            req_to_token_pool=rtp,
+            token_to_kv_pool=cache,
+            attn_backend=be,
+        )
         be.init_forward_metadata(fb)
-        assert (be.meta.shared is not None) == cascade
+        assert isinstance(be.plan, CascadeDecodePlan) == cascade
         torch.manual_seed(3)  # the same q and new k/v (the decoded token's, written to its own slot)
         outs[cascade] = [
-            be.forward(torch.randn(b, H, D).to(dtype), torch.randn(b, KVH, D).to(dtype), torch.randn(b, KVH, D).to(dtype), layer, fb)
+            be.forward(
+                torch.randn(b, H, D).to(dtype),
+                torch.randn(b, KVH, D).to(dtype),
+                torch.randn(b, KVH, D).to(dtype),
+                layer,
+                fb,
+            )
             for layer in range(2)
         ]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -135,7 +152,9 @@ def shared_system_prompts(default_tokenizer) -> list[list[int]]:
         system = _SYSTEM if g == 0 else _SYSTEM.replace("lighthouse museum", "seabird reserve")
         for q in questions:
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            ids = default_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = default_tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             prompts.append(list(ids))
     return prompts
 
@@ -146,8 +165,11 @@ def hf_refs(default_source, shared_system_prompts) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch-path"])
-async def test_shared_system_prompts_decode_with_cascade_token_identical(shared_system_prompts, hf_refs, monkeypatch, kernels):
-    """fp32 end to end, with the C++ attention kernels and without (ASYNCLLM_CPU_KERNELS=0)."""
+async def test_shared_system_prompts_decode_with_cascade_token_identical(
+    shared_system_prompts, hf_refs, monkeypatch, kernels
+):
+    """fp32 end to end, with the C++ attention kernels and without (ASYNCLLM_CPU_KERNELS=0): the
+    backend chosen at start-up is the kernel one, or the torch one, and it alone runs."""
     monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", kernels)
     prompts, refs, new_tokens = shared_system_prompts, hf_refs, NEW_TOKENS
 
@@ -158,15 +180,25 @@ async def test_shared_system_prompts_decode_with_cascade_token_identical(shared_
         plans.append(plan is not None)
         return plan
 
-    monkeypatch.setattr(attention_torch, "plan_shared_prefix", counting_plan)
+    used: set[str] = set()
+    for cls in (CpuAttnBackend, TorchAttnBackend):
+
+        def counting_metadata(self, fb, _inner=cls.init_forward_metadata, _name=cls.__name__):
+            used.add(_name)
+            return _inner(self, fb)
+
+        monkeypatch.setattr(cls, "init_forward_metadata", counting_metadata)
+    monkeypatch.setattr(shared_prefix, "plan_shared_prefix", counting_plan)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-    engine = Engine("smollm2-135m", dtype="float32", device="cpu", torch_threads=1,
-                    max_total_tokens=8192, max_running_requests=8)  # fmt: skip
+    engine = Engine(
+        "smollm2-135m", dtype="float32", device="cpu", torch_threads=1, max_total_tokens=8192, max_running_requests=8
+    )
     async with engine:
         async with asyncio.timeout(300):
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         st = await engine.get_internal_state()
     assert sum(plans) >= new_tokens // 2, plans
+    assert used == {"CpuAttnBackend" if kernels == "1" else "TorchAttnBackend"}, used
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.token_ids == ref, f"prompt {i}"
     assert st["available_tokens"] + st["evictable_tokens"] == st["total_tokens"], st

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,7 +99,9 @@ def test_extend_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     out = kernel.extend_attention(q, kb, vb, slots, prefix, ext, scale)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.double(), _extend_reference(q, kb, vb, slots, prefix, ext, scale), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        out.double(), _extend_reference(q, kb, vb, slots, prefix, ext, scale), atol=tol, rtol=tol
+    )
     # The last new token of each request is a decode over the same keys.
     last = torch.cumsum(ext, 0) - 1
     dec, _ = kernel.decode_attention(q[last].contiguous(), kb, vb, slots, prefix + ext, scale)
@@ -110,8 +111,15 @@ def test_extend_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
 def test_extend_kernel_rejects_bad_inputs():
     kb = torch.zeros(10, 1, 64)
     slots = torch.zeros(2, 4, dtype=torch.int64)
-    ok = dict(q=torch.zeros(3, 1, 64), k_buf=kb, v_buf=kb, slots=slots, prefix_lens=torch.tensor([1, 0]),
-              extend_lens=torch.tensor([2, 1]), scale=1.0)  # fmt: skip
+    ok = dict(
+        q=torch.zeros(3, 1, 64),
+        k_buf=kb,
+        v_buf=kb,
+        slots=slots,
+        prefix_lens=torch.tensor([1, 0]),
+        extend_lens=torch.tensor([2, 1]),
+        scale=1.0,
+    )
     kernel.extend_attention(**ok)
     bad = [
         dict(extend_lens=torch.tensor([3, 1])),  # lengths do not add up to the query tokens
@@ -191,7 +199,9 @@ def test_kernel_rejects_bad_inputs():
         dict(slots=slots.to(torch.int32)),
         dict(q=torch.zeros(1, 1, 64, dtype=torch.float16), k_buf=kb.half(), v_buf=kb.half()),
         dict(q=torch.zeros(1, 1, 32), k_buf=torch.zeros(10, 1, 32), v_buf=torch.zeros(10, 1, 32)),  # head_dim 32
-        dict(q=torch.zeros(1, 3, 64), k_buf=torch.zeros(10, 2, 64), v_buf=torch.zeros(10, 2, 64)),  # 3 heads on 2 KV heads
+        dict(
+            q=torch.zeros(1, 3, 64), k_buf=torch.zeros(10, 2, 64), v_buf=torch.zeros(10, 2, 64)
+        ),  # 3 heads on 2 KV heads
     ]
     for change in bad:
         with pytest.raises(RuntimeError):
@@ -211,19 +221,21 @@ def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
     """torch's builder waits forever on its lock file: one left by a killed build must not hang us."""
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_extension._clear_stale_lock(tmp_path)
+    cpu_extension.clear_stale_lock(tmp_path)
     assert lock.exists()  # a build may be running right now
     old = time.time() - cpu_extension.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    cpu_extension._clear_stale_lock(tmp_path)
+    cpu_extension.clear_stale_lock(tmp_path)
     assert not lock.exists()
-    cpu_extension._clear_stale_lock(tmp_path)  # no lock: nothing to do
+    cpu_extension.clear_stale_lock(tmp_path)  # no lock: nothing to do
 
 
 def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
-    """A machine that cannot compile the kernels still decodes, on the torch path, with a warning."""
-    from engine.cache.memory_pool import KVCache
-    from engine.layers.attention_torch import TorchAttnBackend
+    """A machine that cannot compile the kernels still decodes, on the torch path, with a warning:
+    start-up picks the torch attention backend and the torch elementwise ops."""
+    from engine.errors import InvalidRequestError
+    from engine.layers.attention_backend import resolve_attention_backend
+    from engine.layers.norm import RMSNorm
 
     monkeypatch.setenv("ASYNCLLM_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_extension, "CFLAGS", ["-fno-such-compiler-flag"])
@@ -231,6 +243,8 @@ def test_failed_build_leaves_the_torch_path(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(cpu_extension, "_module", None)
     assert kernel.load() is None
     assert "unavailable" in caplog.text
-    backend = TorchAttnBackend(4, 2, 64, 0.125)
-    fb = SimpleNamespace(token_to_kv_pool=KVCache(8, 1, 2, 64, torch.float32))
-    assert not backend._kernel_ok(fb)
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu, torch.float32, 64) == "torch"
+    with pytest.raises(InvalidRequestError):
+        resolve_attention_backend("cpu", cpu, torch.float32, 64)
+    assert not RMSNorm(64, 1e-6, cpu, torch.bfloat16).uses_cpu_kernel

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from engine import cuda_stream as cs
-from engine import device_stream as ds
-from engine.cuda_stream import CudaDeviceStream
-from engine.device_stream import CpuDeviceStream, DeviceHandle, make_device_stream
+from engine.device import CpuDeviceStream, DeviceHandle, make_device_stream
+from engine.device import cuda_stream as cs
+from engine.device import stream as ds
+from engine.device.cuda_stream import CudaDeviceStream
 
 TIMEOUT = 5.0
 
@@ -184,9 +184,9 @@ def test_make_device_stream_picks_cpu_stream() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
 def test_cuda_stream_without_cuda_raises_clearly() -> None:
-    with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+    with pytest.raises(RuntimeError, match=r"torch\.cuda\.is_available"):
         CudaDeviceStream(torch.device("cuda"))
-    with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+    with pytest.raises(RuntimeError, match=r"torch\.cuda\.is_available"):
         make_device_stream(torch.device("cuda:0"))
 
 
@@ -195,11 +195,11 @@ def test_cupy_unavailable_selects_waiter_fallback() -> None:
         import cupy
 
         cupy_ok = cupy.cuda.is_available()
-    except Exception:  # noqa: BLE001
+    except Exception:
         cupy_ok = False
     if cupy_ok:
         pytest.skip("CuPy has a device here; the fallback selection is checked without one")
-    assert cs._cupy_host_stream(0, 0) is None
+    assert cs.cupy_host_stream(0, 0) is None
 
 
 class _FakeEvent:
@@ -216,11 +216,11 @@ class _FakeEvent:
 
 async def test_event_waiter_fallback_delivers_in_order_and_surfaces_errors() -> None:
     loop = asyncio.get_running_loop()
-    waiter = cs._EventWaiter(device_index=None)
+    waiter = cs.EventWaiter(device_index=None)
     futures = [loop.create_future() for _ in range(3)]
     events = [_FakeEvent(0.03), _FakeEvent(0.0, RuntimeError("device fault")), _FakeEvent(0.0)]
     for i, (event, future) in enumerate(zip(events, futures, strict=True)):
-        waiter.submit(event, ds._Completion(loop, future, True, f"r{i}", keepalive=event))
+        waiter.submit(event, ds.Completion(loop, future, True, f"r{i}", keepalive=event))
     handles = [DeviceHandle(f) for f in futures]
     assert not handles[0].done()
     async with asyncio.timeout(TIMEOUT):
@@ -231,26 +231,26 @@ async def test_event_waiter_fallback_delivers_in_order_and_surfaces_errors() -> 
     await asyncio.to_thread(waiter.close)
 
 
-async def test_host_callback_resolves_from_foreign_thread_and_tolerates_closed_loop() -> None:
+async def testhost_callback_resolves_from_foreign_thread_and_tolerates_closed_loop() -> None:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
-    kept: set[ds._Completion] = set()
+    kept: set[ds.Completion] = set()
 
-    def settle(c: ds._Completion) -> None:  # the owner's hook: it resolves, on the loop's thread
+    def settle(c: ds.Completion) -> None:  # the owner's hook: it resolves, on the loop's thread
         assert threading.current_thread() is threading.main_thread()
         kept.discard(c)
         c.resolve()
 
-    completion = ds._Completion(loop, future, True, "done", keepalive=object(), on_settle=settle)
+    completion = ds.Completion(loop, future, True, "done", keepalive=object(), on_settle=settle)
     kept.add(completion)
-    threading.Thread(target=cs._host_callback, args=(completion,)).start()  # like CUDA's callback thread
+    threading.Thread(target=cs.host_callback, args=(completion,)).start()  # like CUDA's callback thread
     async with asyncio.timeout(TIMEOUT):
         assert await DeviceHandle(future) == "done"
     assert not kept and completion.keepalive is None  # references dropped only once settled
 
     dead = asyncio.new_event_loop()
     dead.close()
-    cs._host_callback(ds._Completion(dead, loop.create_future(), True, None))  # must not raise
+    cs.host_callback(ds.Completion(dead, loop.create_future(), True, None))  # must not raise
 
 
 class _SimStream:
@@ -283,7 +283,7 @@ class _SimHostStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, daemon=True).start()
 
-    def launch_host_func(self, callback, arg) -> None:  # noqa: ANN001 - mirrors CuPy's signature
+    def launch_host_func(self, callback, arg) -> None:
         self.calls += 1
         if self.calls > self.fail_after:
             raise RuntimeError("cudaLaunchHostFunc failed")
@@ -311,7 +311,7 @@ async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.Monke
     launcher_stream = object()  # the launching thread's current stream
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: launcher_stream)
     host = _SimHostStream(fail_after)
-    monkeypatch.setattr(cs, "_cupy_host_stream", lambda ptr, index: host if fail_after else None)
+    monkeypatch.setattr(cs, "cupy_host_stream", lambda ptr, index: host if fail_after else None)
 
     stream = make_device_stream("cuda")
     assert isinstance(stream, CudaDeviceStream) and stream.device == torch.device("cuda", 0)
@@ -357,7 +357,7 @@ def _matmul_chain(a: torch.Tensor, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("host_callbacks", [True, False], ids=["cupy-host-func", "waiter-thread"])
 async def test_cuda_stream_matmul_chain(monkeypatch: pytest.MonkeyPatch, host_callbacks: bool) -> None:
     if not host_callbacks:
-        monkeypatch.setattr(cs, "_cupy_host_stream", lambda ptr, index: None)
+        monkeypatch.setattr(cs, "cupy_host_stream", lambda ptr, index: None)
     stream = CudaDeviceStream(torch.device("cuda"))
     if host_callbacks and not stream.uses_host_callbacks:
         pytest.skip("CuPy cannot drive this GPU")

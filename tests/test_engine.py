@@ -13,6 +13,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
+from engine.model_executor.model_runner import ModelRunner
 from tests.sched_harness import build_tiny_folder
 
 TIMEOUT = 120
@@ -73,9 +74,7 @@ async def test_shared_prefix_hit_rate(tiny_tok_folder):
     async with tiny_engine(tiny_tok_folder) as engine:
         # First one per group warms the cache, then the rest arrive together.
         firsts = await asyncio.gather(*(engine.generate(prompts[g * per_group], params) for g in range(groups)))
-        rest = await asyncio.gather(
-            *(engine.generate(p, params) for i, p in enumerate(prompts) if i % per_group != 0)
-        )
+        rest = await asyncio.gather(*(engine.generate(p, params) for i, p in enumerate(prompts) if i % per_group != 0))
         assert all(r.cached_tokens == 0 for r in firsts)
         cached = sum(r.cached_tokens for r in rest)
         ideal = len(rest) * sys_len
@@ -145,19 +144,18 @@ async def test_aborts_free_memory_at_once(tiny_tok_folder):
         assert engine.healthy
 
 
-async def test_forward_exception_fails_requests_and_engine_keeps_serving(tiny_tok_folder):
+async def test_forward_exception_fails_requests_and_engine_keeps_serving(tiny_tok_folder, monkeypatch):
     async with tiny_engine(tiny_tok_folder) as engine:
-        runner = engine.runner
-        real = runner.forward_batch_generation
+        real = ModelRunner.forward_batch_generation
         calls = {"n": 0}
 
-        def flaky(batch):
+        def flaky(runner, batch):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected device failure")
-            return real(batch)
+            return real(runner, batch)
 
-        runner.forward_batch_generation = flaky
+        monkeypatch.setattr(ModelRunner, "forward_batch_generation", flaky)
         try:
             params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
             async with asyncio.timeout(TIMEOUT):
@@ -170,7 +168,7 @@ async def test_forward_exception_fails_requests_and_engine_keeps_serving(tiny_to
             assert ok.finish_reason == "length" and len(ok.token_ids) == 10
             await assert_idle_and_clean(engine)
         finally:
-            runner.forward_batch_generation = real
+            monkeypatch.undo()
 
 
 async def test_bad_input_gets_typed_errors(tiny_tok_folder):
@@ -196,8 +194,10 @@ async def test_seeded_sampling_reproducible_across_batches(tiny_tok_folder):
     target = _prompts(1, seed=21)[0]
     async with tiny_engine(tiny_tok_folder) as engine:
         alone = (await engine.generate(target, params)).token_ids
-        others = [engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True))
-                  for p in _prompts(7, seed=22)]  # fmt: skip
+        others = [
+            engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True))
+            for p in _prompts(7, seed=22)
+        ]
         res = await asyncio.gather(*others[:3], engine.generate(target, params), *others[3:])
         assert res[3].token_ids == alone
         other_seed = await engine.generate(target, SamplingParams(**{**_fields(params), "seed": 99}))
@@ -218,3 +218,18 @@ def test_overlap_defaults_to_cuda_only():
     assert parse_args(["--enable-overlap-schedule"])[0]["enable_overlap"] is True
     assert parse_args(["--disable-overlap-schedule"])[0]["enable_overlap"] is False
     assert "enable_overlap" not in parse_args([])[0]
+
+
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    """auto = bfloat16 where bf16 is native (CUDA, AVX512-BF16 or AMX CPUs), float32 elsewhere."""
+    import torch
+
+    from engine.server_args import ServerArgs
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    assert ServerArgs(device="cpu").resolved_dtype() == torch.float32
+    assert ServerArgs(device="cuda").resolved_dtype() == torch.bfloat16
+    assert ServerArgs(device="cpu", dtype="bf16").resolved_dtype() == torch.bfloat16  # asked for: honoured
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert ServerArgs(device="cpu").resolved_dtype() == torch.bfloat16

@@ -18,11 +18,19 @@ import torch
 
 import engine.layers.attention_backend as ab
 import tests.gpu_path_checks as checks
-from engine.model_executor.cuda_graph_runner import (
-    PAD_REQ_ROW, PAD_SLOT, StaticDecodeInputs, capture_batch_sizes, cuda_graphs_apply, graph_memory_estimate,
-    padded_batch_size, resolve_cuda_graph_max_bs,
-)  # fmt: skip
+from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine.errors import InvalidRequestError
+from engine.model_executor.cuda_graph_runner import (
+    PAD_REQ_ROW,
+    PAD_SLOT,
+    StaticDecodeInputs,
+    capture_batch_sizes,
+    cuda_graphs_apply,
+    graph_memory_estimate,
+    padded_batch_size,
+    resolve_cuda_graph_max_bs,
+)
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from engine.model_executor.host_transfer import DeviceToHost, host_to_device
 from engine.model_executor.model_runner import ModelRunner
 from engine.server_args import ServerArgs
@@ -55,8 +63,18 @@ def test_capture_batch_sizes_follow_sglang_shape():
 def test_padded_batch_size_is_smallest_captured_size_at_least_n():
     sizes = capture_batch_sizes(64)
     assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 63, 64)] == [
-        1, 2, 4, 4, 8, 8, 16, 16, 24, 64, 64,
-    ]  # fmt: skip
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        24,
+        64,
+        64,
+    ]
     assert padded_batch_size(65, sizes) is None and padded_batch_size(0, sizes) is None
 
 
@@ -89,22 +107,31 @@ def test_graph_memory_estimate_grows_with_batch_and_vocab():
 # ---- static buffers ---------------------------------------------------------------------------
 
 
+def _decode_fb(rows: list[int], lens: list[int], locs: list[int], ids: list[int] | None, last: torch.Tensor):
+    """A decode ForwardBatch built as the runner builds it (`ForwardBatch.init_new`)."""
+    t = torch.tensor
+    ids_t = None if ids is None else t(ids)
+    batch = ModelWorkerBatch(
+        ForwardMode.DECODE, ids_t, t(rows), seq_lens=t(lens), out_cache_loc=t(locs), seq_lens_cpu=lens
+    )
+    return ForwardBatch.init_new(batch, ReqToTokenPool(16, 32), KVCache(64, 1, 1, 64, torch.float32), None, last)
+
+
 def test_static_inputs_copy_real_rows_and_pad_the_rest():
     s = StaticDecodeInputs(8, CPU)
     last = torch.arange(100, 116)
-    big = dict(req_pool_indices=torch.tensor([9, 8, 7, 6, 5]), seq_lens=torch.tensor([10, 11, 12, 13, 14]),
-               out_cache_loc=torch.tensor([50, 51, 52, 53, 54]), input_ids=torch.tensor([1, 2, 3, 4, 5]))  # fmt: skip
-    s.load(5, 8, last_token_ids=last, **big)
+    big = _decode_fb([9, 8, 7, 6, 5], [10, 11, 12, 13, 14], [50, 51, 52, 53, 54], [1, 2, 3, 4, 5], last)
+    s.load(big, 8)
     assert s.input_ids[:5].tolist() == [1, 2, 3, 4, 5] and s.positions[:5].tolist() == [9, 10, 11, 12, 13]
     # a smaller batch after it: its padding must overwrite the previous batch's real rows
-    s.load(3, 4, torch.tensor([2, 0, 5]), torch.tensor([4, 1, 7]), torch.tensor([20, 21, 22]), None, last)
+    s.load(_decode_fb([2, 0, 5], [4, 1, 7], [20, 21, 22], None, last), 4)
     assert s.input_ids[:4].tolist() == [102, 100, 105, 0]  # gathered from last_token_ids by row
     assert s.positions[:4].tolist() == [3, 0, 6, 0]
     assert s.req_pool_indices[:4].tolist() == [2, 0, 5, PAD_REQ_ROW]
     assert s.seq_lens[:4].tolist() == [4, 1, 7, 1]
     assert s.out_cache_loc[:4].tolist() == [20, 21, 22, PAD_SLOT]
     with pytest.raises(ValueError):
-        s.load(5, 4, *big.values(), last_token_ids=last)
+        s.load(big, 4)
 
 
 def test_static_buffer_path_matches_eager_torch_backend(tiny_folder):
@@ -119,9 +146,11 @@ def test_frozen_host_arguments_break_the_torch_backend(tiny_folder, monkeypatch)
     """Why graphs need the Triton backend: replayed with the host arguments a capture freezes
     (lengths all 1), the torch backend's decode reads the wrong width. (The Triton backend passes
     the same replay in the interpreter test below.)"""
+
     def frozen(r):
-        return checks.FrozenHostArgs(r.model, r.attn_backend, r.req_to_token_pool, r.kv_cache,
-                                     r.model_config.vocab_size, checks.MAX_BS, r.device)  # fmt: skip
+        return checks.FrozenHostArgs(
+            r.model, r.attn_backend, r.req_to_token_pool, r.kv_cache, r.model_config.vocab_size, checks.MAX_BS, r.device
+        )
 
     monkeypatch.setattr(checks, "eager_graph_runner", frozen)
     checks.FAILURES.clear()
@@ -139,23 +168,40 @@ def no_interpreter(monkeypatch):
     monkeypatch.delitem(sys.modules, "engine.kernels.triton_attention", raising=False)
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 def test_backend_resolution(no_interpreter, monkeypatch):
-    assert ab.resolve_attention_backend("auto", CPU) == "torch"
-    assert ab.resolve_attention_backend("torch", CUDA) == "torch"
-    assert ab.resolve_attention_backend("auto", CUDA) == "triton"  # triton is installed here
-    assert ab.resolve_attention_backend("triton", CUDA) == "triton"
-    monkeypatch.setattr(ab, "_triton_problem", lambda: "the triton package does not import (ImportError: x)")
-    assert ab.resolve_attention_backend("auto", CUDA) == "torch"
+    # CPU: the C++ kernels for the dtypes and head sizes they take (they build here), else torch.
+    assert ab.resolve_attention_backend("auto", CPU, F32, 24) == "torch"
+    assert ab.resolve_attention_backend("auto", CPU, torch.float16, 64) == "torch"
+    assert ab.resolve_attention_backend("auto", CPU, F32, 64) == "cpu"
+    assert ab.resolve_attention_backend("auto", CPU, BF16, 128) == "cpu"
+    assert ab.resolve_attention_backend("torch", CPU, BF16, 64) == "torch"
+    assert ab.resolve_attention_backend("cpu", CPU, BF16, 64) == "cpu"
+    with pytest.raises(InvalidRequestError, match="'cpu' needs"):
+        ab.resolve_attention_backend("cpu", CPU, F32, 24)
+    with pytest.raises(InvalidRequestError, match="runs on CPUs"):
+        ab.resolve_attention_backend("cpu", CUDA, BF16, 64)
+    monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
+    assert ab.resolve_attention_backend("auto", CPU, F32, 64) == "torch"
+    monkeypatch.delenv("ASYNCLLM_CPU_KERNELS")
+    # CUDA: triton when it imports.
+    assert ab.resolve_attention_backend("torch", CUDA, BF16, 64) == "torch"
+    assert ab.resolve_attention_backend("auto", CUDA, BF16, 64) == "triton"  # triton is installed here
+    assert ab.resolve_attention_backend("triton", CUDA, BF16, 64) == "triton"
+    monkeypatch.setattr(ab, "triton_problem", lambda: "the triton package does not import (ImportError: x)")
+    assert ab.resolve_attention_backend("auto", CUDA, BF16, 64) == "torch"
     with pytest.raises(InvalidRequestError, match="needs triton"):
-        ab.resolve_attention_backend("triton", CUDA)
+        ab.resolve_attention_backend("triton", CUDA, BF16, 64)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_typed_error(no_interpreter):
     with pytest.raises(InvalidRequestError) as e:
-        ab.resolve_attention_backend("triton", CPU)
+        ab.resolve_attention_backend("triton", CPU, F32, 64)
     assert e.value.param == "attention_backend" and "TRITON_INTERPRET" in str(e.value) and "torch" in str(e.value)
     with pytest.raises(InvalidRequestError, match="unknown attention backend"):
-        ab.resolve_attention_backend("flash", CPU)
+        ab.resolve_attention_backend("flash", CPU, F32, 64)
 
 
 def test_runner_rejects_triton_on_cpu_at_construction(no_interpreter):
@@ -166,7 +212,7 @@ def test_runner_rejects_triton_on_cpu_at_construction(no_interpreter):
 
 
 def test_cpu_runner_is_unchanged(tiny_folder):
-    runner, _ = make_runner(tiny_folder)
+    runner, _ = make_runner(tiny_folder)  # head size 16: no C++ kernel takes it
     assert runner.attn_backend_name == "torch" and runner.graph_runner is None and not runner.use_cuda_graph
 
 
@@ -199,8 +245,7 @@ def test_triton_backend_and_static_path_interpreter():
     static-path logits == eager for 3 -> 4 and 5 -> 8; see tests/gpu_path_checks.py."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(CHECKS)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(CHECKS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ALL OK"), out
     assert proc.stdout.count("\nok   greedy") >= 1 and proc.stdout.count("logits") == 2, out
@@ -213,8 +258,9 @@ def test_triton_backend_and_static_path_interpreter():
 def test_cuda_graphs_on_gpu():
     """Captures decode graphs and replays them: same logits as eager (3 -> 4, 5 -> 8), same greedy
     tokens as the torch backend and as eager Triton."""
-    proc = subprocess.run([sys.executable, str(CHECKS), "--device", "cuda"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(CHECKS), "--device", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ALL OK"), out
     assert "ok   static graphs captured" in proc.stdout and "greedy triton cuda-graphs" in proc.stdout, out

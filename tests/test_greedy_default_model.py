@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.driver import SyncDriver, eos_token_ids
+from engine import SyncScheduler
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
@@ -44,8 +44,11 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "Write a haiku about autumn."}],
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primes."}],
     [{"role": "user", "content": "Summarise this story:\n" + _STORY * 5}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a fun fact about octopuses."}],  # fmt: skip
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a fun fact about octopuses."},
+    ],
     [{"role": "user", "content": "Review this code:\n" + _CODE * 2}],
 ]
 
@@ -54,7 +57,10 @@ CHAT_PROMPTS = [
 def prompts(default_tokenizer) -> list[list[int]]:
     tok = default_tokenizer
     ids = [tok.encode(p) for p in RAW_PROMPTS]
-    ids += [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)) for m in CHAT_PROMPTS]
+    ids += [
+        list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for m in CHAT_PROMPTS
+    ]
     return ids
 
 
@@ -71,19 +77,21 @@ def test_prompt_mix_is_varied(prompts):
 def test_greedy_matches_transformers_in_continuous_batch(default_source, default_tokenizer, prompts, hf_outputs):
     args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=16384, max_running_requests=32)
     runner = ModelRunner(args, default_source)
-    driver = SyncDriver(runner, eos_token_ids(default_source.hf_config, default_tokenizer))
+    sched = SyncScheduler(runner)
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-    first = [driver.add_request(p, params) for p in prompts[::2]]
+    first = [sched.add_request(p, params) for p in prompts[::2]]
     for _ in range(5):  # the first half prefills and decodes a few steps before the rest join
-        driver.step()
-    second = [driver.add_request(p, params) for p in prompts[1::2]]
-    driver.run_until_done()
+        sched.step()
+    second = [sched.add_request(p, params) for p in prompts[1::2]]
+    sched.run_until_idle()
 
     reqs = [None] * len(prompts)
     reqs[::2], reqs[1::2] = first, second
     for i, (req, ref) in enumerate(zip(reqs, hf_outputs)):
         assert req.output_ids == ref, f"prompt {i}: diverged at token {_first_diff(req.output_ids, ref)}"
-    # Everything was freed.
+    # Everything was freed: the KV is free or in the prefix cache, and is all free once flushed.
+    sched.scheduler.check_memory()
+    assert sched.scheduler.flush_cache()
     assert runner.token_to_kv_pool_allocator.available_size() == runner.token_to_kv_pool_allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
 
@@ -106,10 +114,10 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(default_source, default
     args = ServerArgs(dtype="bfloat16", device="cpu", max_total_tokens=16384, max_running_requests=32)
     runner = ModelRunner(args, default_source)
     assert runner.model.fused  # the kernels build here (tests/test_cpu_attention_kernels.py insists)
-    driver = SyncDriver(runner, eos_token_ids(default_source.hf_config, default_tokenizer))
+    sched = SyncScheduler(runner)
     params = SamplingParams(temperature=0.0, max_new_tokens=BF16_NEW_TOKENS)
-    reqs = [driver.add_request(p, params) for p in prompts]
-    driver.run_until_done()
+    reqs = [sched.add_request(p, params) for p in prompts]
+    sched.run_until_idle()
     path = default_source.gguf_file
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
     agree = total = 0
@@ -118,7 +126,9 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(default_source, default
             ours = torch.tensor(req.output_ids)
             logits = hf(torch.tensor([p + req.output_ids])).logits[0, len(p) - 1 : len(p) - 1 + len(ours)].float()
             gap = logits.max(-1).values - logits.gather(1, ours[:, None])[:, 0]
-            assert float(gap.max()) <= 0.5, f"prompt {i}: token {int(gap.argmax())} is {float(gap.max()):.3f} below the best"
+            assert float(gap.max()) <= 0.5, (
+                f"prompt {i}: token {int(gap.argmax())} is {float(gap.max()):.3f} below the best"
+            )
             agree += int((gap == 0).sum())
             total += len(ours)
     assert agree >= 0.97 * total, f"only {agree}/{total} tokens are transformers' argmax"

@@ -16,16 +16,16 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from engine.errors import ModelLoadError  # noqa: E402
-from engine.models import loader  # noqa: E402
-from engine.models.gguf_weights import read_gguf_index  # noqa: E402
-from engine.models.loader import SUPPORTED_ARCHITECTURES, resolve_model  # noqa: E402
+from engine.errors import ModelLoadError
+from engine.models import loader
+from engine.models.gguf_weights import read_gguf_index
+from engine.models.loader import SUPPORTED_ARCHITECTURES, resolve_model
 
 torch.set_num_threads(1)
 
@@ -103,9 +103,15 @@ def test_default_weights_bit_identical_to_transformers(default_source, cached_gg
 
 VOCAB = 128
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 TINY = {
     "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
@@ -170,12 +176,21 @@ def test_hf_folder_tokenizer(tmp_path, default_tokenizer):
 
 # HF module -> GGUF name, written out independently of the loader's own table.
 _HF_TO_GGUF = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -238,8 +253,11 @@ def _write_gguf(path, model, arch: str, extra: dict[str, np.ndarray] | None = No
 
 # GGUF variant -> the tiny model it is written from (the GGUF architecture is the part before "-")
 TINY_GGUF = {
-    "llama": "llama-untied", "llama-tied": "llama-tied-sharded", "qwen2": "qwen2-bias", "qwen3": "qwen3-qknorm",
-}  # fmt: skip
+    "llama": "llama-untied",
+    "llama-tied": "llama-tied-sharded",
+    "qwen2": "qwen2-bias",
+    "qwen3": "qwen3-qknorm",
+}
 
 
 @pytest.fixture(scope="module", params=list(TINY_GGUF))
@@ -299,7 +317,7 @@ def test_missing_path(tmp_path):
 def test_not_a_model_file(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)
-    with pytest.raises(ModelLoadError, match="weights.bin"):
+    with pytest.raises(ModelLoadError, match=r"weights\.bin"):
         resolve_model(str(f))
 
 
@@ -318,7 +336,7 @@ def test_folder_without_tokenizer(llama_folder):
 
 def test_folder_without_config(llama_folder):
     (llama_folder / "config.json").unlink()
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         resolve_model(str(llama_folder))
 
 
@@ -331,7 +349,7 @@ def test_folder_without_safetensors(llama_folder):
 def test_shard_index_names_missing_shard(llama_folder):
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (llama_folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelLoadError, match="model-00001-of-00002.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model-00001-of-00002\.safetensors"):
         resolve_model(str(llama_folder))
 
 
@@ -366,7 +384,7 @@ def test_truncated_safetensors(llama_folder, where):
     data = f.read_bytes()
     n = {"length-prefix": 4, "json-header": 100, "half": len(data) // 2, "last-byte": len(data) - 1}[where]
     f.write_bytes(data[:n])
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         resolve_model(str(llama_folder))
 
 
@@ -374,7 +392,7 @@ def test_safetensors_truncated_after_resolve(llama_folder):
     src = resolve_model(str(llama_folder))
     f = llama_folder / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         list(src.iter_weights())
 
 
@@ -383,7 +401,7 @@ def test_corrupt_safetensors_header(llama_folder):
     data = bytearray(f.read_bytes())
     data[8:40] = b"\xff" * 32  # garbage where the JSON header starts
     f.write_bytes(bytes(data))
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         resolve_model(str(llama_folder))
 
 
@@ -396,14 +414,14 @@ def test_truncated_default_gguf(default_source, tmp_path, where):
     cut = tmp_path / "cut.gguf"
     with real.open("rb") as src, cut.open("wb") as dst:
         dst.write(src.read(n))
-    with pytest.raises(ModelLoadError, match="cut.gguf"):
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf"):
         resolve_model(str(cut))
 
 
 def test_corrupt_gguf_magic(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUX" + b"\0" * 60)
-    with pytest.raises(ModelLoadError, match="bad.gguf"):
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf"):
         resolve_model(str(bad))
 
 
@@ -414,7 +432,7 @@ def test_gguf_rope_table_is_skipped_and_unknown_tensors_refused(tmp_path):
     names = [name for name, _ in resolve_model(str(ok)).iter_weights()]
     assert names and not any("rope" in n for n in names)
     _write_gguf(bad, model, "llama", extra={"blk.0.mystery.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(ModelLoadError, match="blk.0.mystery.weight"):
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.mystery\.weight"):
         resolve_model(str(bad))
 
 
@@ -425,5 +443,5 @@ def test_gguf_truncated_after_resolve(tmp_path):
     src = resolve_model(str(path))
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size - 100)
-    with pytest.raises(ModelLoadError, match="tiny.gguf"):
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf"):
         list(src.iter_weights())

@@ -19,17 +19,30 @@ from engine.server_args import ServerArgs
 
 VOCAB = 160
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
     "llama-tied-llama3rope": lambda: LlamaConfig(
-        **COMMON, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    ),  # fmt: skip
+        **COMMON,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
 }
@@ -69,8 +82,14 @@ def _new_req(i: int, ids: list[int]) -> Req:
 
 def _run_all(folder, page_size: int, prompts: list[list[int]], decode_tokens: list[list[int]]):
     """Prefill, cached-prefix extend and teacher-forced decode; returns every logits tensor."""
-    args = ServerArgs(model_path=str(folder), dtype="float32", device="cpu", max_total_tokens=2048,
-                      page_size=page_size, max_running_requests=8)  # fmt: skip
+    args = ServerArgs(
+        model_path=str(folder),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        page_size=page_size,
+        max_running_requests=8,
+    )
     runner = ModelRunner(args, resolve_model(str(folder)))
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
 

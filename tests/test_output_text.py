@@ -68,8 +68,11 @@ async def test_stop_string_across_token_boundary(engine_factory, default_tokeniz
         assert full.text == tok.decode(full.token_ids)
         # A stop string made of the end of token k and the start of token k+1.
         pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
-        k = next(i for i in range(5, len(pieces) - 1)
-                 if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2)  # fmt: skip
+        k = next(
+            i
+            for i in range(5, len(pieces) - 1)
+            if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+        )
         boundary = len(pieces[k])
         stop = full.text[boundary - 2 : boundary + 2]
         index = full.text.find(stop)
@@ -86,7 +89,11 @@ async def test_stop_string_across_token_boundary(engine_factory, default_tokeniz
 
 
 async def test_multibyte_output_streams_without_broken_characters(engine_factory, default_tokenizer):
-    prompts = ["🍎🍌🍇🍓🍎🍌🍇🍓🍎🍌🍇", "中文：我喜欢吃苹果。我喜欢", [{"role": "user", "content": "Translate to Chinese: I love apples."}]]
+    prompts = [
+        "🍎🍌🍇🍓🍎🍌🍇🍓🍎🍌🍇",
+        "中文：我喜欢吃苹果。我喜欢",
+        [{"role": "user", "content": "Translate to Chinese: I love apples."}],
+    ]
     async with engine_factory() as engine:
         for prompt in prompts:
             async with asyncio.timeout(TIMEOUT):

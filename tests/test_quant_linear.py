@@ -1,9 +1,11 @@
-"""Packed 4-bit weights (engine/layers/quant_linear.py) against torch's int4 kernel and the GGUF's own values.
+"""Packed 4-bit weights (engine/layers/int4.py, linear.py) against torch's int4 kernel and the GGUF's own values.
 
 Pinned here: the kernel's dequantization formula; GGUF Q4_1/Q4_0 blocks decode to exactly what
 `gguf.quants.dequantize` gives; the q/k row un-permutation reaches the packed weights; the default
 model through the packed path stays close to its dense bf16 self; and the packed path is never
-taken where it must not be (threshold 0, fp32, Hugging Face folders, too many rows).
+taken where it must not be (threshold 0, fp32, Hugging Face folders, too many rows). bf16 outputs
+differ between the int4 and dense paths, so every runner here pins `q4_max_tokens` explicitly
+(the default measures the crossover at start-up).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
-from engine.driver import SyncDriver
+from engine import SyncScheduler
 from engine.errors import InvalidRequestError
-from engine.layers import quant_linear
-from engine.layers.quant_linear import OneDNNWeight, PackedInt4Weight, Q4Blocks, linear
+from engine.layers import int4, linear
+from engine.layers.int4 import PackedInt4Weight, Q4Blocks
+from engine.layers.linear import DenseLinear, Int4Linear, OneDNNLinear, finalize_linear
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_weights import q4_blocks
 from engine.models.loader import resolve_model
@@ -28,7 +31,7 @@ from engine.server_args import ServerArgs
 from server.cli import parse_args
 from tests.sched_harness import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(not quant_linear.int4_kernel_available(), reason="torch has no CPU int4 kernel")
+pytestmark = pytest.mark.skipif(not int4.int4_kernel_available(), reason="torch has no CPU int4 kernel")
 
 
 def _packed_mm(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
@@ -71,7 +74,7 @@ def test_pack_formula_roundtrip():
     scale = torch.randint(1, 9, (48, 4), generator=g) / 8
     offset = -torch.randint(0, 17, (48, 4), generator=g) / 4
     blocks = Q4Blocks(q, scale, offset, 32)
-    packed = blocks.pack(max_rows=4)
+    packed = blocks.pack()
     assert packed is not None and packed.scales_zeros.shape == (4, 48, 2)
     w_read = packed.matmul(torch.eye(128, dtype=torch.bfloat16)).float().T
     assert torch.equal(w_read, blocks.dequantize())
@@ -79,9 +82,9 @@ def test_pack_formula_roundtrip():
 
 def test_pack_refuses_shapes_the_kernel_cannot_take():
     q = torch.zeros(24, 64, dtype=torch.uint8)  # 24 rows: not a multiple of 16
-    assert Q4Blocks(q, torch.ones(24, 2), torch.zeros(24, 2), 32).pack(8) is None
+    assert Q4Blocks(q, torch.ones(24, 2), torch.zeros(24, 2), 32).pack() is None
     q = torch.zeros(16, 64, dtype=torch.uint8)  # groups of 16: the kernel takes 32..256
-    assert Q4Blocks(q, torch.ones(16, 4), torch.zeros(16, 4), 16).pack(8) is None
+    assert Q4Blocks(q, torch.ones(16, 4), torch.zeros(16, 4), 16).pack() is None
 
 
 # ---- GGUF blocks ------------------------------------------------------------------------------
@@ -100,7 +103,7 @@ def test_q4_1_blocks_are_the_gguf_values(default_source):
     blocks = q4_blocks(raw, qtype, shape)
     w = torch.from_numpy(np.ascontiguousarray(dequantize(raw, qtype), dtype=np.float32)).reshape(shape)
     assert torch.equal(blocks.dequantize(), w)  # fp32 scale/offset: bit-identical to gguf
-    packed = blocks.pack(max_rows=8)
+    packed = blocks.pack()
     x = torch.randn(4, shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     _close_to_matmul(packed.matmul(x), x, w)
 
@@ -113,7 +116,7 @@ def test_q4_0_blocks_are_the_gguf_values():
     w = torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType.Q4_0), dtype=np.float32))
     assert torch.equal(blocks.dequantize(), w)
     x = torch.randn(3, 192, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    _close_to_matmul(blocks.pack(max_rows=8).matmul(x), x, w)
+    _close_to_matmul(blocks.pack().matmul(x), x, w)
 
 
 def _first_layer(source, names: set[str], q4: bool) -> dict:
@@ -136,10 +139,11 @@ def test_q_k_rows_are_unpermuted_like_the_dense_weights(default_source):
         w_dense = dense[name][0]
         blocks = packed[name][1]
         assert blocks is not None and torch.equal(blocks.dequantize(), w_dense)
-        _close_to_matmul(blocks.pack(max_rows=8).matmul(x), x, w_dense)
+        _close_to_matmul(blocks.pack().matmul(x), x, w_dense)
         # The file's own row order differs: the check above would catch a missed un-permutation.
-        raw, qtype, shape = _raw_tensor(default_source, name.replace("model.layers.0.self_attn.", "blk.0.attn_")
-                                        .replace("_proj.weight", ".weight"))  # fmt: skip
+        raw, qtype, shape = _raw_tensor(
+            default_source, name.replace("model.layers.0.self_attn.", "blk.0.attn_").replace("_proj.weight", ".weight")
+        )
         assert not torch.equal(q4_blocks(raw, qtype, shape).dequantize(), w_dense)
 
 
@@ -152,8 +156,7 @@ def _runner(source, **kw) -> ModelRunner:
 
 
 def _packed_count(runner: ModelRunner) -> int:
-    return sum(getattr(layer, f"{a}_q4") is not None for layer in runner.model.layers
-               for a in ("qkv", "o", "gate_up", "down"))  # fmt: skip
+    return sum(isinstance(m, Int4Linear) for m in runner.model.modules())
 
 
 def _last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -180,8 +183,10 @@ def test_default_model_packs_every_layer_weight(bf16_runners):
     packed, dense = bf16_runners
     assert _packed_count(packed) == 4 * len(packed.model.layers)
     assert _packed_count(dense) == 0
-    assert packed.model.layers[0].qkv_q4.out_features == 576 + 2 * 192
-    assert packed.model.layers[0].gate_up_q4.out_features == 2 * 1536
+    layer = packed.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.max_rows == 64
+    assert layer.self_attn.qkv_proj.packed.out_features == 576 + 2 * 192
+    assert layer.mlp.gate_up_proj.packed.out_features == 2 * 1536
 
 
 def test_packed_model_close_to_dense(bf16_runners, default_tokenizer):
@@ -199,7 +204,7 @@ def test_packed_model_close_to_dense(bf16_runners, default_tokenizer):
 
     prompts = [default_tokenizer.encode(p) for p in ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n):")]
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    outs = [[r.output_ids for r in SyncDriver(runner).generate(prompts, params)] for runner in (packed, dense)]
+    outs = [[r.output_ids for r in SyncScheduler(runner).generate(prompts, params)] for runner in (packed, dense)]
     for got, ref in zip(*outs):
         first_diff = next((i for i, (u, v) in enumerate(zip(got, ref)) if u != v), len(ref))
         assert first_diff >= 12, (got, ref)
@@ -211,29 +216,57 @@ def test_packed_path_off_where_it_must_be(default_source, tmp_path):
     folder = make_tiny_llama(tmp_path / "tiny")  # Hugging Face folder: no 4-bit weights exist
     tiny = _runner(resolve_model(str(folder)), dtype="bfloat16", q4_max_tokens=8)
     assert _packed_count(tiny) == 0
-    for kw, rows in (({}, 16), ({"dtype": "float32"}, 0), ({"device": "cuda"}, 0), ({"q4_max_tokens": 0}, 0)):
+    # The default is measured at start-up (None); an explicit value overrides it; 0 where it cannot apply.
+    cases = (
+        ({}, None),
+        ({"q4_max_tokens": 16}, 16),
+        ({"dtype": "float32"}, 0),
+        ({"device": "cuda"}, 0),
+        ({"device": "cuda", "q4_max_tokens": 16}, 0),
+        ({"q4_max_tokens": 0}, 0),
+    )
+    for kw, rows in cases:
         assert ServerArgs(**kw).resolved_q4_max_tokens() == rows
     with pytest.raises(InvalidRequestError):
         ServerArgs(q4_max_tokens=-1).resolved_q4_max_tokens()
 
 
+def _dense(w: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
+    """A loaded DenseLinear holding `w` (and `bias`)."""
+    d = DenseLinear(w.shape[1], (w.shape[0],), bias is not None, w.device, w.dtype)
+    d.weight.data.copy_(w)
+    if bias is not None:
+        d.bias.data.copy_(bias)
+    return d
+
+
 def test_linear_falls_back_to_dense(monkeypatch):
     g = torch.Generator().manual_seed(6)
-    blocks = Q4Blocks(torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8), torch.rand(32, 2, generator=g),
-                      torch.zeros(32, 2), 32)  # fmt: skip
-    packed = blocks.pack(max_rows=4)
+    blocks = Q4Blocks(
+        torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8),
+        torch.rand(32, 2, generator=g),
+        torch.zeros(32, 2),
+        32,
+    )
+    packed = blocks.pack()
     w, bias = blocks.dequantize().to(torch.bfloat16), torch.randn(32, generator=g).to(torch.bfloat16)
     x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
-    _close_to_matmul(linear(x, w, None, packed), x, blocks.dequantize())
-    torch.testing.assert_close(linear(x, w, bias, packed), linear(x, w, None, packed) + bias)
+    # The int4 module, its big-batch form the plain F.linear one (its oneDNN form is pinned below).
+    q4, q4_bias = Int4Linear(packed, _dense(w, None), 4), Int4Linear(packed, _dense(w, bias), 4)
+    _close_to_matmul(q4(x), x, blocks.dequantize())
+    torch.testing.assert_close(q4_bias(x), q4(x) + bias)
 
     def refuse(*_):
         raise AssertionError("packed path taken")
 
     monkeypatch.setattr(PackedInt4Weight, "matmul", refuse)
-    for inp in (torch.randn(5, 64, generator=g).to(torch.bfloat16), x.float(), x[:0]):  # rows > 4, fp32, empty
-        wt = w.to(inp.dtype)
-        assert torch.equal(linear(inp, wt, bias.to(inp.dtype), packed), F.linear(inp, wt, bias.to(inp.dtype)))
+    for inp in (torch.randn(5, 64, generator=g).to(torch.bfloat16), x[:0]):  # rows > 4, empty
+        assert torch.equal(q4_bias(inp), F.linear(inp, w, bias))
+    # fp32 (the reference path) never gets an int4 module: finalize keeps F.linear.
+    fp32 = finalize_linear(_dense(w.float(), bias.float()), packed, 4)
+    assert type(fp32) is DenseLinear
+    assert torch.equal(fp32(x.float()), F.linear(x.float(), w.float(), bias.float()))
+    assert type(finalize_linear(_dense(w, bias), packed, 0)) is not Int4Linear  # threshold 0: no int4 form
 
 
 def test_cli_flag():
@@ -243,7 +276,7 @@ def test_cli_flag():
         parse_args(["--q4-max-tokens", "-1"])
 
 
-@pytest.mark.skipif(not quant_linear.onednn_prepack_available(), reason="this torch build has no oneDNN")
+@pytest.mark.skipif(not linear.onednn_prepack_available(), reason="this torch build has no oneDNN")
 def test_onednn_prepacked_weight_is_bit_identical_to_f_linear():
     """Prepacking only moves the reorder out of the call: same oneDNN kernel, same bits, for any
     row count (decode batches and prefills), with and without bias, and for the LM head shape."""
@@ -251,19 +284,21 @@ def test_onednn_prepacked_weight_is_bit_identical_to_f_linear():
     for out_f, in_f in ((960, 576), (576, 1536), (4096, 576)):
         w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
         bias = torch.randn(out_f, generator=g).to(torch.bfloat16)
-        dnn = OneDNNWeight.from_dense(w)
-        assert dnn is not None
+        dnn, dnn_bias = OneDNNLinear.from_dense(_dense(w, None)), OneDNNLinear.from_dense(_dense(w, bias))
+        assert dnn is not None and dnn_bias is not None
         for rows in (1, 5, 32, 300):
             x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
-            assert torch.equal(linear(x, w, None, None, dnn), F.linear(x, w))
-            assert torch.equal(linear(x, w, bias, None, dnn), F.linear(x, w, bias))
-    assert OneDNNWeight.from_dense(torch.randn(32, 64)) is None  # fp32 keeps F.linear (the reference path)
+            assert torch.equal(dnn(x), F.linear(x, w))
+            assert torch.equal(dnn_bias(x), F.linear(x, w, bias))
+    assert OneDNNLinear.from_dense(_dense(torch.randn(32, 64), None)) is None  # fp32 keeps F.linear (the reference)
 
 
 def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
-    packed, _ = bf16_runners
+    packed, dense = bf16_runners
     layer = packed.model.layers[0]
-    assert all(getattr(layer, f"{a}_dnn") is not None for a in ("qkv", "o", "gate_up", "down"))
-    assert packed.model.head_dnn is not None
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert all(isinstance(p, Int4Linear) and isinstance(p.big, OneDNNLinear) for p in projections)
+    assert isinstance(packed.model.lm_head, OneDNNLinear)
+    assert isinstance(dense.model.layers[0].mlp.down_proj, OneDNNLinear)
     fp32 = _runner(default_source, dtype="float32", q4_max_tokens=0)
-    assert fp32.model.layers[0].qkv_dnn is None and fp32.model.head_dnn is None
+    assert type(fp32.model.layers[0].self_attn.qkv_proj) is DenseLinear and type(fp32.model.lm_head) is DenseLinear

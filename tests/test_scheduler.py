@@ -7,9 +7,8 @@ import itertools
 
 import pytest
 
-from engine.actors.scheduler import Scheduler
-from engine.sampling import SamplingParams
-from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts, run_sync
+from engine import SamplingParams, SyncScheduler
+from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts
 
 N_REQS = 64
 
@@ -34,11 +33,11 @@ def alone_outputs(tiny_folder):
     runner, args = make_runner(tiny_folder, disable_radix_cache=True, chunked_prefill_size=None)
     outs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        sched = Scheduler(runner, args)
+        sched = SyncScheduler(runner, args)
         req = new_req(i, p, sp)
-        sched.add_request(req)
-        run_sync(sched, overlap=False)
-        sched.check_memory()
+        sched.add(req)
+        sched.run_until_idle(overlap=False)
+        sched.scheduler.check_memory()
         outs.append(req.output_ids)
     return outs
 
@@ -50,28 +49,28 @@ COMBOS = list(itertools.product([True, False], [True, False], [64, None], [1, 16
 def test_batched_equals_alone(tiny_folder, alone_outputs, overlap, radix, chunk, page):
     prompts, params = _prompts_and_params()
     runner, args = make_runner(tiny_folder, disable_radix_cache=not radix, chunked_prefill_size=chunk, page_size=page)
-    sched = Scheduler(runner, args)
+    sched = SyncScheduler(runner, args)
     reqs = [new_req(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     for r in reqs[:40]:
-        sched.add_request(r)
+        sched.add(r)
     late = iter(reqs[40:])
 
     def add_late(step: int) -> None:  # the rest arrive while the first ones decode
         if step % 2 == 0:
             r = next(late, None)
             if r is not None:
-                sched.add_request(r)
+                sched.add(r)
 
-    run_sync(sched, overlap=overlap, on_step=add_late)
+    sched.run_until_idle(overlap=overlap, on_step=add_late)
     for r in late:  # any not yet added (cannot happen with these sizes, but be exact)
-        sched.add_request(r)
-    run_sync(sched, overlap=overlap)
+        sched.add(r)
+    sched.run_until_idle(overlap=overlap)
     for i, r in enumerate(reqs):
         assert r.output_ids == alone_outputs[i], f"request {i} differs"
         assert r.finished_reason is not None and r.finished_reason.reason.value == "length"
-    sched.check_memory()
+    sched.scheduler.check_memory()
     if radix:
-        assert sched.hit_tokens > 0
+        assert sched.scheduler.hit_tokens > 0
 
 
 def test_retraction_with_small_pool(tiny_folder):
@@ -82,36 +81,38 @@ def test_retraction_with_small_pool(tiny_folder):
     alone = []
     runner, args = make_runner(tiny_folder)
     for i, p in enumerate(prompts):
-        sched = Scheduler(runner, args)
+        sched = SyncScheduler(runner, args)
         req = new_req(i, p, params)
-        sched.add_request(req)
-        run_sync(sched, overlap=False)
+        sched.add(req)
+        sched.run_until_idle(overlap=False)
         alone.append(req.output_ids)
     for overlap, radix in ((False, True), (True, True), (True, False)):
-        runner, args = make_runner(tiny_folder, max_total_tokens=800, chunked_prefill_size=64, disable_radix_cache=not radix)
-        sched = Scheduler(runner, args)
+        runner, args = make_runner(
+            tiny_folder, max_total_tokens=800, chunked_prefill_size=64, disable_radix_cache=not radix
+        )
+        sched = SyncScheduler(runner, args)
         reqs = [new_req(i, p, params) for i, p in enumerate(prompts)]
         for r in reqs:
-            sched.add_request(r)
-        run_sync(sched, overlap=overlap)
-        assert sched.num_retractions > 0
+            sched.add(r)
+        sched.run_until_idle(overlap=overlap)
+        assert sched.scheduler.num_retractions > 0
         for i, r in enumerate(reqs):
             assert r.output_ids == alone[i], f"request {i} differs after retraction (overlap={overlap})"
-        sched.check_memory()
+        sched.scheduler.check_memory()
 
 
 def test_request_larger_than_pool_is_aborted(tiny_folder):
     runner, args = make_runner(tiny_folder, max_total_tokens=256, chunked_prefill_size=64)
-    sched = Scheduler(runner, args)
+    sched = SyncScheduler(runner, args)
     big = new_req(0, list(range(200)), SamplingParams(temperature=0.0, max_new_tokens=400))
     small = new_req(1, list(range(10)), SamplingParams(temperature=0.0, max_new_tokens=5))
-    sched.add_request(big)
-    sched.add_request(small)
-    run_sync(sched, overlap=True)
+    sched.add(big)
+    sched.add(small)
+    sched.run_until_idle(overlap=True)
     assert big.finished_reason.reason.value == "abort"
     assert "does not fit" in big.finished_reason.message
     assert len(small.output_ids) == 5
-    sched.check_memory()
+    sched.scheduler.check_memory()
 
 
 @pytest.mark.parametrize("overlap,chunk", [(True, 256), (False, 256), (True, None)])
@@ -126,32 +127,27 @@ def test_shared_prefix_arriving_together_is_computed_once(tiny_folder, overlap, 
     runner, args = make_runner(tiny_folder, chunked_prefill_size=chunk)
     alone = []
     for i, p in enumerate(prompts[:6]):
-        sched = Scheduler(runner, args)
+        sched = SyncScheduler(runner, args)
         req = new_req(i, p, params)
-        sched.add_request(req)
-        run_sync(sched, overlap=False)
+        sched.add(req)
+        sched.run_until_idle(overlap=False)
         alone.append(req.output_ids)
-        assert sched.flush_cache()  # the runner's pool is shared with the next scheduler
-    sched = Scheduler(runner, args)
+        assert sched.scheduler.flush_cache()  # the runner's pool is shared with the next scheduler
+    sched = SyncScheduler(runner, args)
     reqs = [new_req(i, p, params) for i, p in enumerate(prompts)]
     for r in reqs:
-        sched.add_request(r)
+        sched.add(r)
     computed = []
-    forward = runner.forward_batch_generation
 
-    def counting_forward(batch):
+    def count_prefill_tokens(batch):
         if batch.forward_mode.is_extend():
             computed.append(sum(batch.extend_seq_lens))
-        return forward(batch)
 
-    runner.forward_batch_generation = counting_forward
-    try:
-        run_sync(sched, overlap=overlap)
-    finally:
-        runner.forward_batch_generation = forward
+    sched.on_forward = count_prefill_tokens
+    sched.run_until_idle(overlap=overlap)
     # Each prefix once, each question once (plus at most one page of re-computed tail per request).
     assert sum(computed) <= 4 * 200 + 24 * 20 + 24, computed
-    assert sched.hit_tokens >= 20 * 200
+    assert sched.scheduler.hit_tokens >= 20 * 200
     for i in range(6):
         assert reqs[i].output_ids == alone[i]
-    sched.check_memory()
+    sched.scheduler.check_memory()

@@ -15,10 +15,13 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.errors import EngineUnhealthyError
-
 from tests.server_helpers import (  # noqa: F401 (fixtures)
-    TINY_ARGS, free_port, shared_server, tiny_model_dir, wait_clean,
-)  # fmt: skip
+    TINY_ARGS,
+    free_port,
+    shared_server,
+    tiny_model_dir,
+    wait_clean,
+)
 
 pytestmark = pytest.mark.timeout(180)
 TIMEOUT = aiohttp.ClientTimeout(total=60)
@@ -30,10 +33,23 @@ BODY_LIMIT = 65536
 
 @pytest.fixture
 def server(request, tiny_model_dir):
-    return shared_server(request, "tiny-errors", tiny_model_dir, *TINY_ARGS, "--api-key", KEY,
-                         "--max-running-requests", "2", "--max-queued-requests", "1",
-                         "--context-length", str(CONTEXT), "--max-body-size", str(BODY_LIMIT),
-                         "--enable-metrics")  # fmt: skip
+    return shared_server(
+        request,
+        "tiny-errors",
+        tiny_model_dir,
+        *TINY_ARGS,
+        "--api-key",
+        KEY,
+        "--max-running-requests",
+        "2",
+        "--max-queued-requests",
+        "1",
+        "--context-length",
+        str(CONTEXT),
+        "--max-body-size",
+        str(BODY_LIMIT),
+        "--enable-metrics",
+    )
 
 
 async def _aborted(s: aiohttp.ClientSession, url: str) -> float:
@@ -94,12 +110,21 @@ CASES = [
     ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 1200}]}, 400, None,
-     "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "top_logprobs", None),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400, "sampling_params.temperature",
-     None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x " * 1200}]},
+        400,
+        None,
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400, "sampling_params.temperature", None),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, 400, "top_p", None),
     ("/generate", {"sampling_params": {}}, 400, "text", None),
     ("/generate", {"input_ids": [1, [2]]}, 400, "input_ids", None),
@@ -113,8 +138,11 @@ async def test_bad_requests_get_their_status_and_error_body(server):
     url = server.url
     async with aiohttp.ClientSession(timeout=TIMEOUT, headers=AUTH) as s:
         for path, body, status, param, code in CASES:
-            kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {
-                "json": body}  # fmt: skip
+            kw = (
+                {"data": body, "headers": {"Content-Type": "application/json"}}
+                if isinstance(body, bytes)
+                else {"json": body}
+            )
             async with s.post(url + path, **kw) as r:
                 await _expect_error(r, status, param, code)
         async with s.post(url + "/v1/chat/completions", json={"model": "gpt-4", "messages": []}) as r:
@@ -135,8 +163,11 @@ async def test_bad_requests_get_their_status_and_error_body(server):
 
 
 async def _open_stream(s: aiohttp.ClientSession, url: str, i: int, running: bool) -> aiohttp.ClientResponse:
-    body = {"text": f"Queue filler {i}", "stream": True,
-            "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": CONTEXT - 20}}  # fmt: skip
+    body = {
+        "text": f"Queue filler {i}",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": CONTEXT - 20},
+    }
     r = await s.post(url + "/generate", json=body)
     assert r.status == 200, await r.text()  # headers come once admitted and submitted
     if running:
@@ -174,22 +205,28 @@ async def test_mid_request_disconnects_then_invariant_holds(server):
         r.close()
         # Non-streaming requests whose clients give up before the answer.
         short = aiohttp.ClientTimeout(total=0.3)
-        for path, body in (("/v1/completions", {"prompt": "Wait for me", "max_tokens": 900, **long}),
-                           ("/generate", {"text": "Wait", "sampling_params": {**long, "max_new_tokens": 900}})):  # fmt: skip
+        for path, body in (
+            ("/v1/completions", {"prompt": "Wait for me", "max_tokens": 900, **long}),
+            ("/generate", {"text": "Wait", "sampling_params": {**long, "max_new_tokens": 900}}),
+        ):
             with pytest.raises(asyncio.TimeoutError):
                 async with s.post(url + path, json=body, timeout=short) as r:
                     await r.read()
         # A WebSocket closed with generations running.
         ws = await s.ws_connect(url + "/ws")
-        await ws.send_json({"type": "generate", "id": "w", "text": "socket",
-                            "sampling_params": {**long, "max_new_tokens": 900}})  # fmt: skip
+        await ws.send_json(
+            {"type": "generate", "id": "w", "text": "socket", "sampling_params": {**long, "max_new_tokens": 900}}
+        )
         assert (await ws.receive_json())["id"] == "w"
         await ws.close()
         st = await wait_clean(s, url, AUTH)
         assert st["healthy"]
         assert await _aborted(s, url) == aborted + 4  # each one aborted, none ran to its end
-        async with s.post(url + "/v1/chat/completions", headers=AUTH,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}) as r:  # fmt: skip
+        async with s.post(
+            url + "/v1/chat/completions",
+            headers=AUTH,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ) as r:
             assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] <= 3
         async with s.get(url + "/health_generate") as r:
             assert r.status == 200
@@ -216,34 +253,37 @@ async def _in_process_server(model_dir: str):
 
 async def test_unhealthy_engine_gets_503(tiny_model_dir):
     """In process: once the engine is down, generation endpoints and health checks answer 503."""
-    async with _in_process_server(tiny_model_dir) as (engine, url):
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-            async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
-                assert r.status == 200
-            await engine.stop()
-            assert not engine.healthy
-            async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
-                await _expect_error(r, 503, code="engine_unhealthy")
-            async with s.post(url + "/generate", json={"text": "hi"}) as r:
+    async with _in_process_server(tiny_model_dir) as (engine, url), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+            assert r.status == 200
+        await engine.stop()
+        assert not engine.healthy
+        async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+            await _expect_error(r, 503, code="engine_unhealthy")
+        async with s.post(url + "/generate", json={"text": "hi"}) as r:
+            await _expect_error(r, 503)
+        for path in ("/health", "/health_generate"):
+            async with s.get(url + path) as r:
                 await _expect_error(r, 503)
-            for path in ("/health", "/health_generate"):
-                async with s.get(url + path) as r:
-                    await _expect_error(r, 503)
 
 
 def _sse_events(raw: str) -> list[str]:
-    return [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("failure,status_code", [
-    (EngineUnhealthyError("the engine went down (injected)"), "engine_unhealthy"),
-    (RuntimeError("injected bug"), None),
-], ids=["engine-error", "bug"])  # fmt: skip
+@pytest.mark.parametrize(
+    "failure,status_code",
+    [
+        (EngineUnhealthyError("the engine went down (injected)"), "engine_unhealthy"),
+        (RuntimeError("injected bug"), None),
+    ],
+    ids=["engine-error", "bug"],
+)
 async def test_error_in_mid_stream_ends_with_an_error_event(tiny_model_dir, monkeypatch, failure, status_code):
     """After the first streamed bytes the status is spent: a failure must still reach the client
     as OpenAI's error body in a last event, then [DONE], not as a stream that just stops. The
     failure is injected into the engine's per-request stream after its first delta."""
-    from engine.engine import RequestStream
+    from engine import RequestStream
 
     original = RequestStream.__anext__
 

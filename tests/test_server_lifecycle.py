@@ -18,23 +18,55 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO, env=server_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        cwd=REPO,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_help_names_every_flag():
     res = _run("--help", timeout=30)
     assert res.returncode == 0
-    for flag in ("--model-path", "--host", "--port", "--served-model-name", "--context-length", "--dtype",
-                 "--max-running-requests", "--max-total-tokens", "--mem-fraction-static", "--max-prefill-tokens",
-                 "--chunked-prefill-size", "--page-size", "--schedule-policy", "--disable-radix-cache",
-                 "--disable-overlap-schedule", "--api-key", "--enable-metrics", "--log-level",
-                 "--max-queued-requests", "--torch-threads"):  # fmt: skip
+    for flag in (
+        "--model-path",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--context-length",
+        "--dtype",
+        "--max-running-requests",
+        "--max-total-tokens",
+        "--mem-fraction-static",
+        "--max-prefill-tokens",
+        "--chunked-prefill-size",
+        "--page-size",
+        "--schedule-policy",
+        "--disable-radix-cache",
+        "--disable-overlap-schedule",
+        "--api-key",
+        "--enable-metrics",
+        "--log-level",
+        "--max-queued-requests",
+        "--torch-threads",
+    ):
         assert flag in res.stdout, flag
 
 
-@pytest.mark.parametrize("args", [("--bogus",), ("--port", "http"), ("--dtype", "float8"), ("--page-size", "0"),
-                                  ("--schedule-policy", "sjf"), ("--mem-fraction-static", "2")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--bogus",),
+        ("--port", "http"),
+        ("--dtype", "float8"),
+        ("--page-size", "0"),
+        ("--schedule-policy", "sjf"),
+        ("--mem-fraction-static", "2"),
+    ],
+)
 def test_bad_flag_exits_2_with_one_line(args):
     res = _run(*args, timeout=30)
     assert res.returncode == 2
@@ -53,8 +85,20 @@ def test_port_in_use_exits_1(tiny_model_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        res = _run("--model-path", tiny_model_dir, "--port", str(busy.getsockname()[1]), "--dtype", "float32",
-                   "--device", "cpu", "--max-total-tokens", "1024", "--log-level", "warning")  # fmt: skip
+        res = _run(
+            "--model-path",
+            tiny_model_dir,
+            "--port",
+            str(busy.getsockname()[1]),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "1024",
+            "--log-level",
+            "warning",
+        )
     assert res.returncode == 1 and "cannot listen" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
@@ -63,8 +107,14 @@ async def test_sigterm_finishes_in_flight_stream_and_exits_0(tiny_model_dir, tmp
     srv.start()
     try:
         assert "Serving" in srv.log_tail() and tiny_model_dir in srv.log_tail()
-        body = {"prompt": "Keep going", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": "Keep going",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         finish, usage = None, None
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             async with s.post(srv.url + "/v1/completions", json=body) as r:

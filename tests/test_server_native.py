@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import aiohttp
@@ -91,18 +92,21 @@ async def test_generate_stream_is_cumulative_and_ends_with_done(tiny_server):
             assert r.headers["Content-Type"].startswith("text/event-stream")
             events = await _sse_events(r)
     texts = [e["text"] for e in events]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
 
 async def test_logprobs(tiny_server):
-    body = {"text": "Hello", "sampling_params": {**GREEDY, "max_new_tokens": 5}, "return_logprob": True,
-            "top_logprobs_num": 3}  # fmt: skip
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        async with s.post(tiny_server.url + "/generate", json=body) as r:
-            out = await r.json()
+    body = {
+        "text": "Hello",
+        "sampling_params": {**GREEDY, "max_new_tokens": 5},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(tiny_server.url + "/generate", json=body) as r:
+        out = await r.json()
     lps, tops = out["meta_info"]["output_token_logprobs"], out["meta_info"]["output_top_logprobs"]
     assert [t for _, t, _ in lps] == out["output_ids"]
     for (lp, tok, _), top in zip(lps, tops):
@@ -112,8 +116,12 @@ async def test_logprobs(tiny_server):
 
 async def test_abort_request_and_flush_cache(tiny_server):
     url = tiny_server.url
-    body = {"text": "Tell me a long story", "rid": "abort-me", "stream": True,
-            "sampling_params": {**GREEDY, "max_new_tokens": 1500}}  # fmt: skip
+    body = {
+        "text": "Tell me a long story",
+        "rid": "abort-me",
+        "stream": True,
+        "sampling_params": {**GREEDY, "max_new_tokens": 1500},
+    }
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         async with s.post(url + "/generate", json=body) as r:
             first = await r.content.readline()

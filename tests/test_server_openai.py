@@ -20,8 +20,14 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Started first so the server loads while the in-process reference runs."""
-    srv = ServerProcess("smollm2-135m", "--served-model-name", NAME, "--max-total-tokens", "8192",
-                        log_dir=tmp_path_factory.mktemp("openai-server")).launch()  # fmt: skip
+    srv = ServerProcess(
+        "smollm2-135m",
+        "--served-model-name",
+        NAME,
+        "--max-total-tokens",
+        "8192",
+        log_dir=tmp_path_factory.mktemp("openai-server"),
+    ).launch()
     yield srv
     srv.stop()
 
@@ -29,11 +35,9 @@ def launched(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(launched, default_source, default_tokenizer):
     """Greedy results of the in-process engine on the same weights and dtype."""
-    from engine.model_executor.model_runner import ModelRunner
-
+    # The GGUF tokenizer is built once per process (ModelSource.load_tokenizer caches it), so this
+    # engine reuses the session's `default_tokenizer`.
     engine = Engine("smollm2-135m", dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096)
-    # Reuse the session's tokenizer and source: building the GGUF tokenizer again costs ~15 s.
-    engine.runner, engine.tokenizer = ModelRunner(engine.args, default_source), default_tokenizer
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS)
     completion, chat = engine.generate_batch([PROMPT, MESSAGES], params)
     return {"completion": completion, "chat": chat}
@@ -80,25 +84,35 @@ def test_chat_greedy_equals_engine_and_reports_cache(client, expected, default_t
     assert msg.role == "assistant" and msg.content == exp.text
     assert r.usage.prompt_tokens == _chat_prompt_len(default_tokenizer) == exp.prompt_tokens
     assert r.usage.completion_tokens == exp.completion_tokens
-    again = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=MAX_TOKENS,
-                                           temperature=0)  # fmt: skip
+    again = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
     assert again.choices[0].message.content == exp.text
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the radix cache served the prompt
 
 
 def test_streaming_sync(client, expected):
     exp = expected["chat"]
-    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == exp.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        exp.finish_reason]  # fmt: skip
+        exp.finish_reason
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == exp.completion_tokens
     exp = expected["completion"]
-    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == exp.text
 
 
@@ -109,32 +123,44 @@ def test_stop_sequences(client, expected):
     assert r.choices[0].text == text[: text.index(word)] and r.choices[0].finish_reason == "stop"
     chat_text = expected["chat"].text
     word = chat_text.split()[len(chat_text.split()) // 2]
-    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stop=word, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop=word, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_text[: chat_text.index(word)]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 async def test_async_n_choices_and_usage(aclient, expected, default_tokenizer):
-    r = await aclient.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0,
-                                              seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+    r = await aclient.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.prompt_tokens == _chat_prompt_len(default_tokenizer)  # the prompt counts once
     assert r.usage.completion_tokens == 18
-    again = await aclient.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0,
-                                                  seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+    again = await aclient.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
     # Two prompts x n=2 greedy: four choices in OpenAI's order, each equal to the engine's.
     exp = expected["completion"]
-    r = await aclient.completions.create(model=NAME, prompt=[PROMPT, PROMPT], n=2, max_tokens=MAX_TOKENS,
-                                         temperature=0)  # fmt: skip
+    r = await aclient.completions.create(model=NAME, prompt=[PROMPT, PROMPT], n=2, max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.text == exp.text for c in r.choices)
     assert r.usage.prompt_tokens == 2 * exp.prompt_tokens and r.usage.completion_tokens == 4 * exp.completion_tokens
 
 
 async def test_async_streaming_n(aclient):
-    stream = await aclient.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, n=2, temperature=0.8,
-                                              seed=3, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = await aclient.completions.create(
+        model=NAME,
+        prompt=PROMPT,
+        max_tokens=5,
+        n=2,
+        temperature=0.8,
+        seed=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts, finish = {0: "", 1: ""}, {}
     async for chunk in stream:
         for c in chunk.choices:
@@ -146,8 +172,9 @@ async def test_async_streaming_n(aclient):
 
 async def test_async_logprobs(aclient, expected):
     exp = expected["chat"]
-    r = await aclient.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                              logprobs=True, top_logprobs=3)  # fmt: skip
+    r = await aclient.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == exp.completion_tokens
     assert "".join(t.token for t in content).startswith(r.choices[0].message.content)

@@ -28,13 +28,19 @@ async def test_three_concurrent_generations_cancel_one(tiny_server):
     lengths = {"a": 40, "b": 1500, "c": 33}
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         expected = {k: await _generate(s, url, prompts[k], lengths[k]) for k in ("a", "c")}
-        texts = {k: "" for k in prompts}
+        texts = dict.fromkeys(prompts, "")
         ids = {k: [] for k in prompts}
         final: dict[str, dict] = {}
         async with s.ws_connect(url + "/ws") as ws:
             for k in prompts:
-                await ws.send_json({"type": "generate", "id": k, "text": prompts[k],
-                                    "sampling_params": {**GREEDY, "max_new_tokens": lengths[k]}})  # fmt: skip
+                await ws.send_json(
+                    {
+                        "type": "generate",
+                        "id": k,
+                        "text": prompts[k],
+                        "sampling_params": {**GREEDY, "max_new_tokens": lengths[k]},
+                    }
+                )
             cancelled = False
             async with asyncio.timeout(80):
                 while len(final) < 3:
@@ -60,27 +66,32 @@ async def test_three_concurrent_generations_cancel_one(tiny_server):
 
 async def test_errors_keep_the_socket_usable(tiny_server):
     url = tiny_server.url
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        async with s.ws_connect(url + "/ws") as ws:
-            async with asyncio.timeout(60):
-                await ws.send_str("{not json")
-                err = await ws.receive_json()
-                assert err["type"] == "error" and err["id"] is None and err["error"]["code"] == "invalid_json"
-                await ws.send_json({"type": "generate", "id": 1, "text": "x", "sampling_params": {"temperature": -1}})
-                err = await ws.receive_json()
-                assert err["type"] == "error" and err["id"] == 1 and err["error"]["param"] == "temperature"
-                await ws.send_json({"type": "generate", "id": 2, "text": "x", "sampling_params": {"top_k": "big"}})
-                err = await ws.receive_json()
-                assert err["id"] is None and err["error"]["param"] == "sampling_params.top_k"
-                await ws.send_json({"type": "cancel", "id": "nothing"})
-                err = await ws.receive_json()
-                assert err["type"] == "error" and err["error"]["code"] == 404
-                await ws.send_json({"type": "generate", "id": "ok", "text": "still works",
-                                    "sampling_params": {**GREEDY, "max_new_tokens": 3}})  # fmt: skip
-                got = []
-                while not got or got[-1].get("finish_reason") is None:
-                    got.append(await ws.receive_json())
-                assert all(m["id"] == "ok" for m in got) and sum(len(m["token_ids"]) for m in got) == 3
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.ws_connect(url + "/ws") as ws:
+        async with asyncio.timeout(60):
+            await ws.send_str("{not json")
+            err = await ws.receive_json()
+            assert err["type"] == "error" and err["id"] is None and err["error"]["code"] == "invalid_json"
+            await ws.send_json({"type": "generate", "id": 1, "text": "x", "sampling_params": {"temperature": -1}})
+            err = await ws.receive_json()
+            assert err["type"] == "error" and err["id"] == 1 and err["error"]["param"] == "temperature"
+            await ws.send_json({"type": "generate", "id": 2, "text": "x", "sampling_params": {"top_k": "big"}})
+            err = await ws.receive_json()
+            assert err["id"] is None and err["error"]["param"] == "sampling_params.top_k"
+            await ws.send_json({"type": "cancel", "id": "nothing"})
+            err = await ws.receive_json()
+            assert err["type"] == "error" and err["error"]["code"] == 404
+            await ws.send_json(
+                {
+                    "type": "generate",
+                    "id": "ok",
+                    "text": "still works",
+                    "sampling_params": {**GREEDY, "max_new_tokens": 3},
+                }
+            )
+            got = []
+            while not got or got[-1].get("finish_reason") is None:
+                got.append(await ws.receive_json())
+            assert all(m["id"] == "ok" for m in got) and sum(len(m["token_ids"]) for m in got) == 3
 
 
 async def test_closing_the_socket_aborts_its_generations(tiny_server):
@@ -88,8 +99,14 @@ async def test_closing_the_socket_aborts_its_generations(tiny_server):
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         ws = await s.ws_connect(url + "/ws")
         for i in range(3):
-            await ws.send_json({"type": "generate", "id": i, "text": f"Long story {i}",
-                                "sampling_params": {**GREEDY, "max_new_tokens": 1500}})  # fmt: skip
+            await ws.send_json(
+                {
+                    "type": "generate",
+                    "id": i,
+                    "text": f"Long story {i}",
+                    "sampling_params": {**GREEDY, "max_new_tokens": 1500},
+                }
+            )
         seen = set()
         async with asyncio.timeout(60):
             while len(seen) < 3:

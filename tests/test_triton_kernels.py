@@ -35,7 +35,12 @@ def _env(interpret: bool) -> dict[str, str]:
 
 def _spawn(args: list[str], interpret: bool) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=_env(interpret), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=_env(interpret),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -95,21 +100,21 @@ def test_import_without_gpu_and_clear_error():
         import sys, torch
         import engine.layers.attention_triton as mod
         assert "engine.kernels.triton_attention" not in sys.modules, "the kernels were imported eagerly"
+        from engine.layers.attention_ops import HeadLayout
         from engine.layers.attention_triton import TritonAttnBackend
         from engine.cache.memory_pool import KVCache, ReqToTokenPool
-        from engine.model_executor.forward_batch_info import ForwardBatch
-        from engine.model_executor.forward_batch_info import ForwardMode
+        from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 
-        be = TritonAttnBackend(4, 2, 16, 0.25)
+        be = TritonAttnBackend(HeadLayout(4, 2, 16, 0.25))
         rtp = ReqToTokenPool(2, 8)
         rtp.write(0, 0, torch.tensor([1, 2]))
         cache = KVCache(8, 1, 2, 16, torch.float32)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(2, dtype=torch.long),
-            positions=torch.arange(2), req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([2]),
-            seq_lens_cpu=[2], out_cache_loc=torch.tensor([1, 2]), extend_seq_lens=[2], extend_prefix_lens=[0],
-            req_to_token_pool=rtp, token_to_kv_pool=cache, attn_backend=be,
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND, input_ids=torch.zeros(2, dtype=torch.long),
+            req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([2]), out_cache_loc=torch.tensor([1, 2]),
+            seq_lens_cpu=[2], extend_seq_lens=[2], extend_prefix_lens=[0],
         )
+        fb = ForwardBatch.init_new(batch, rtp, cache, be)
         be.init_forward_metadata(fb)
         try:
             be.forward(torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), 0, fb)
@@ -126,11 +131,13 @@ def test_import_without_gpu_and_clear_error():
 
 def test_backend_module_imports_in_process():
     import engine.layers.attention_triton as mod
+    from engine.layers.attention_ops import HeadLayout
 
-    be = mod.TritonAttnBackend(8, 2, 64, 0.125, num_kv_splits=4)
-    assert (be.num_heads, be.num_kv_heads, be.head_dim, be.num_kv_splits) == (8, 2, 64, 4)
+    be = mod.TritonAttnBackend(HeadLayout(8, 2, 64, 0.125), num_kv_splits=4)
+    layout = be.layout
+    assert (layout.num_heads, layout.num_kv_heads, layout.head_dim, be.num_kv_splits) == (8, 2, 64, 4)
     with pytest.raises(ValueError):
-        mod.TritonAttnBackend(6, 4, 64, 0.125)
+        mod.TritonAttnBackend(HeadLayout(6, 4, 64, 0.125))
 
 
 def test_kernels_compile_for_sm90_without_gpu():

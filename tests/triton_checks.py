@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 FAILURES: list[str] = []
@@ -57,7 +57,9 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -
 # ------------------------------------------------------------------------------------------
 
 
-def make_layout(lens: list[int], page_size: int, max_ctx: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def make_layout(
+    lens: list[int], page_size: int, max_ctx: int, gen: torch.Generator, device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A req_to_token table whose rows map positions to shuffled slots (whole shuffled pages when
     page_size > 1; slot 0 / page 0 is left unused as padding). Rows are used in shuffled order too.
     Returns (req_to_token int32 [rows, max_ctx], req_pool_indices int64 [B], num_slots)."""
@@ -120,9 +122,7 @@ def check_decode(K, device, gen, dtype, h, kvh, d, lens, page_size, splits, bloc
     for i, n in enumerate(lens):
         kk = gather_seq(k_buf, table, int(rows[i]), n).float().transpose(0, 1)  # [KVH, n, D]
         vv = gather_seq(v_buf, table, int(rows[i]), n).float().transpose(0, 1)
-        ref[i] = F.scaled_dot_product_attention(
-            q[i].float()[:, None, :], kk, vv, scale=scale, enable_gqa=True
-        )[:, 0, :]
+        ref[i] = F.scaled_dot_product_attention(q[i].float()[:, None, :], kk, vv, scale=scale, enable_gqa=True)[:, 0, :]
     check(f"decode {str(dtype)[6:]} H={h} KVH={kvh} D={d} lens={lens} page={page_size} splits={splits}", o, ref, dtype)
 
 
@@ -140,9 +140,21 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
     i32 = dict(dtype=torch.int32, device=device)
     o = torch.full_like(q, float("nan"))
     K.extend_attention_fwd(
-        q, k, v, o, k_buf, v_buf, table, rows,
-        torch.tensor(seq, **i32), torch.tensor(ext, **i32), torch.tensor(starts, **i32), torch.tensor(prefix, **i32),
-        1.0 / math.sqrt(d), block_m=block_m, block_n=block_n,
+        q,
+        k,
+        v,
+        o,
+        k_buf,
+        v_buf,
+        table,
+        rows,
+        torch.tensor(seq, **i32),
+        torch.tensor(ext, **i32),
+        torch.tensor(starts, **i32),
+        torch.tensor(prefix, **i32),
+        1.0 / math.sqrt(d),
+        block_m=block_m,
+        block_n=block_n,
     )
 
     ref = torch.empty((t, h, d), dtype=torch.float32, device=device)
@@ -165,15 +177,15 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
 
 def check_backend(device, gen, dtype, page_size, layers):
     from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-    from engine.model_executor.forward_batch_info import ForwardBatch
+    from engine.layers.attention_ops import HeadLayout
     from engine.layers.attention_torch import TorchAttnBackend
     from engine.layers.attention_triton import TritonAttnBackend
-    from engine.model_executor.forward_batch_info import ForwardMode
+    from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 
     h, kvh, d = 4, 2, 24
-    scale = d**-0.5
-    triton_be = TritonAttnBackend(h, kvh, d, scale, num_kv_splits=3)
-    torch_be = TorchAttnBackend(h, kvh, d, scale)
+    layout = HeadLayout(h, kvh, d, d**-0.5)
+    triton_be = TritonAttnBackend(layout, num_kv_splits=3)
+    torch_be = TorchAttnBackend(layout)
     rtp = ReqToTokenPool(6, 64, device=device)
     alloc = TokenToKVPoolAllocator(128, page_size=page_size, device=device)
     # throw away a random number of pages first so slots are not at the start of the pool
@@ -198,15 +210,19 @@ def check_backend(device, gen, dtype, page_size, layers):
             lens[i] = p + e
         t = sum(ext_lens)
         seq_lens = torch.tensor(lens, dtype=torch.int64)
+        batch = ModelWorkerBatch(
+            forward_mode=mode,
+            input_ids=torch.zeros(t, dtype=torch.int64),
+            req_pool_indices=row_idx,
+            seq_lens=seq_lens,
+            out_cache_loc=torch.cat(out_locs).cpu(),
+            seq_lens_cpu=list(lens),
+            extend_seq_lens=list(ext_lens),
+            extend_prefix_lens=list(prefix_lens),
+        )
         outs = {}
         for name, be in (("triton", triton_be), ("torch", torch_be)):
-            fb = ForwardBatch(
-                forward_mode=mode, batch_size=3, input_ids=torch.zeros(t, dtype=torch.int64, device=device),
-                positions=torch.zeros(t, dtype=torch.int64, device=device), req_pool_indices=row_idx.to(device),
-                seq_lens=seq_lens.to(device), seq_lens_cpu=list(lens), out_cache_loc=torch.cat(out_locs).to(device),
-                extend_seq_lens=list(ext_lens), extend_prefix_lens=list(prefix_lens), req_to_token_pool=rtp,
-                token_to_kv_pool=caches[name], attn_backend=be,
-            )
+            fb = ForwardBatch.init_new(batch, rtp, caches[name], be)  # the host tensors go to the device here
             be.init_forward_metadata(fb)
             cast = (lambda x: x) if name == "triton" else (lambda x: x.float())
             outs[name] = [be.forward(*map(cast, qkv), layer, fb) for layer, qkv in enumerate(inputs)]
@@ -235,7 +251,9 @@ def check_backend(device, gen, dtype, page_size, layers):
         for layer in range(layers):
             check(
                 f"backend {mode.name.lower()} {str(dtype)[6:]} page={page_size} layer={layer} lens={lens}",
-                outs["triton"][layer], outs["torch"][layer], dtype,
+                outs["triton"][layer],
+                outs["torch"][layer],
+                dtype,
             )
     same_pool = all(
         torch.equal(caches["triton"].k_buffer[layer].float(), caches["torch"].k_buffer[layer])
@@ -259,20 +277,40 @@ def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
     from triton.compiler import ASTSource
 
     ptr = {
-        "Q": dt, "K_Buffer": dt, "V_Buffer": dt, "O": dt, "K": dt, "V": dt,
-        "Q_Extend": dt, "K_Extend": dt, "V_Extend": dt, "O_Extend": dt,
-        "Req_to_token": "i32", "Req_pool_indices": "i64", "Seq_lens": "i64", "Loc": "i64",
-        "Extend_seq_lens": "i32", "Extend_start_loc": "i32", "Prefix_lens": "i32",
-        "Mid_O": "fp32", "Mid_Lse": "fp32",
+        "Q": dt,
+        "K_Buffer": dt,
+        "V_Buffer": dt,
+        "Out": dt,
+        "K": dt,
+        "V": dt,
+        "Q_Extend": dt,
+        "K_Extend": dt,
+        "V_Extend": dt,
+        "O_Extend": dt,
+        "Req_to_token": "i32",
+        "Req_pool_indices": "i64",
+        "Seq_lens": "i64",
+        "Loc": "i64",
+        "Extend_seq_lens": "i64",  # ForwardBatch's extend index vectors are int64
+        "Extend_start_loc": "i64",
+        "Prefix_lens": "i64",
+        "Mid_O": "fp32",
+        "Mid_Lse": "fp32",
     }
     common = dict(DOT_PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST_DOT=False)
     kernels = [
-        ("decode stage1", K._decode_stage1_kernel,
-         dict(kv_group_num=4, head_dim=64, num_kv_splits=8, BLOCK_H=16, BLOCK_N=32, BLOCK_DMODEL=64, **common)),
-        ("decode stage2", K._decode_stage2_kernel, dict(head_dim=64, num_kv_splits=8, BLOCK_DMODEL=64)),
-        ("extend", K._extend_kernel,
-         dict(kv_group_num=4, head_dim=64, BLOCK_M=32, BLOCK_N=32, BLOCK_DMODEL=64, **common)),
-        ("store_kv", K._store_kv_kernel, dict(BLOCK_H=2, BLOCK_D=64)),
+        (
+            "decode stage1",
+            K.decode_stage1_kernel,
+            dict(kv_group_num=4, head_dim=64, num_kv_splits=8, BLOCK_H=16, BLOCK_N=32, BLOCK_DMODEL=64, **common),
+        ),
+        ("decode stage2", K.decode_stage2_kernel, dict(head_dim=64, num_kv_splits=8, BLOCK_DMODEL=64)),
+        (
+            "extend",
+            K.extend_kernel,
+            dict(kv_group_num=4, head_dim=64, BLOCK_M=32, BLOCK_N=32, BLOCK_DMODEL=64, **common),
+        ),
+        ("store_kv", K.store_kv_kernel, dict(BLOCK_H=2, BLOCK_D=64)),
     ]
     for name, fn, consts in kernels:
         sig = {}
@@ -286,11 +324,12 @@ def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
         label = f"compile {name} {dt} sm_{arch}"
         try:
             compiled = triton.compile(
-                ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                ASTSource(fn=fn, signature=sig, constexprs=consts),
+                target=GPUTarget("cuda", arch, 32),
                 options={"num_warps": 4, "num_stages": 2},
             )
             ok = bool(compiled.asm.get("cubin"))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             ok, label = False, f"{label}: {type(e).__name__}: {str(e)[:2000]}"
         print(f"{'ok  ' if ok else 'FAIL'} {label} {_elapsed()}", flush=True)
         if not ok:

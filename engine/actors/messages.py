@@ -1,10 +1,23 @@
-"""Messages between the engine's actors: tagged msgspec Structs, so every mailbox's union can be
-decoded from msgpack the day a boundary becomes a process boundary.
+"""Messages between the engine's actors: tagged msgspec Structs, one mailbox union per actor.
 
 Flow (SGLang's names where they exist):
-  Engine/Receiver --TokenizedGenerateReq/AbortReq/control--> Dispatcher --> Scheduler
-  Scheduler --BatchTokenOut--> OutputProcessor --BatchStrOut/ControlReply--> Receiver
-  OutputProcessor --StopStrMatched--> Dispatcher --> Scheduler (a stop string ended a request)
+
+    Engine -> Receiver.submit --TokenizedGenerateReq, AbortReq, control--> Dispatcher
+    Dispatcher: TokenizedGenerateReq -> PrefillAdderActor
+                AbortReq, StopStrMatched, FlushCacheReq, Get/SetInternalStateReq -> OverlapScheduler
+    OverlapScheduler --PlanPrefillReq--> PrefillAdderActor --PrefillPlanReply--> OverlapScheduler
+    OverlapScheduler --RequeueReqs (retracted), AbortReq/StopStrMatched (not running)--> PrefillAdderActor
+    PrefillAdderActor --WaitingCount--> OverlapScheduler
+    OverlapScheduler, PrefillAdderActor --BatchTokenOut--> OutputProcessor --BatchStrOut--> Receiver
+    Receiver --RegisterReq--> OutputProcessor
+    OutputProcessor --StopStrMatched--> Dispatcher
+    OverlapScheduler --ControlReply--> Receiver
+
+Most messages carry plain data (ids, token lists, deltas), so their unions decode from msgpack.
+Three carry `Req` objects by reference (`PlanPrefillReq`, `PrefillPlanReply`, `RequeueReqs`):
+they hand a request between the PrefillAdder and the scheduler, and ownership moves with the
+message (the sender does not touch it afterwards). That boundary stays inside one process: the
+PrefillAdder reads the scheduler's radix tree.
 """
 
 from __future__ import annotations
@@ -13,7 +26,29 @@ from typing import Any
 
 import msgspec
 
+from engine.api import StreamDelta
 from engine.sampling import SamplingParams
+from engine.scheduler.batch import Req
+from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan
+
+__all__ = [
+    "AbortReq",
+    "BatchStrOut",
+    "BatchTokenOut",
+    "ControlReply",
+    "FlushCacheReq",
+    "GetInternalStateReq",
+    "PlanPrefillReq",
+    "PrefillPlanReply",
+    "RegisterReq",
+    "RequeueReqs",
+    "SetInternalStateReq",
+    "StopStrMatched",
+    "StreamDelta",
+    "TokenizedGenerateReq",
+    "WaitingCount",
+]
 
 
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
@@ -31,7 +66,7 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class StopStrMatched(msgspec.Struct, tag=True):
-    """The output processor saw a stop string complete: the scheduler finishes and frees the req."""
+    """The output processor saw a stop string complete: the request ends and its memory is freed."""
 
     rid: str
     matched: str
@@ -57,23 +92,33 @@ class ControlReply(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-class BatchTokenOut(msgspec.Struct, tag=True):
-    """One forward's results for the requests that produced (or ended with) a token.
+class PlanPrefillReq(msgspec.Struct, tag=True):
+    """Scheduler -> PrefillAdder, once per round with something to prefill: what it can afford."""
 
-    Per request: the new token id (-1 when a request ended without one, e.g. an abort), the
-    finish reason ('stop' | 'length' | 'abort' | None), matched stop token, error message,
-    prompt length, cached tokens, and optional logprobs.
-    """
+    reply_id: int
+    budget: PrefillBudget
 
-    rids: list[str]
-    token_ids: list[int]
-    finish_reasons: list[str | None]
-    matched: list[int | None]
-    messages: list[str | None]
-    prompt_tokens: list[int]
-    cached_tokens: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]] | None]
+
+class PrefillPlanReply(msgspec.Struct, tag=True):
+    """PrefillAdder -> scheduler: the requests to prefill now (ownership moves to the scheduler)."""
+
+    reply_id: int
+    plan: PrefillPlan
+    version: int  # orders it against WaitingCount messages (the newer queue length wins)
+
+
+class RequeueReqs(msgspec.Struct, tag=True):
+    """Scheduler -> PrefillAdder: requests back to the head of the waiting queue, in order
+    (retracted, or planned but not placed); ownership moves to the PrefillAdder."""
+
+    reqs: list[Req]
+
+
+class WaitingCount(msgspec.Struct, tag=True):
+    """PrefillAdder -> scheduler: the waiting queue's length changed (a request came or went)."""
+
+    num_waiting: int
+    version: int  # increases with every length the PrefillAdder reports
 
 
 class RegisterReq(msgspec.Struct, tag=True):
@@ -85,26 +130,5 @@ class RegisterReq(msgspec.Struct, tag=True):
     stop_strs: list[str]
 
 
-class StreamDelta(msgspec.Struct):
-    """One increment of one request's output, as the user sees it."""
-
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # set on the last delta: 'stop' | 'length' | 'abort'
-    error: str | None = None  # the abort message, when the engine ended the request
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    matched_stop: int | str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
 class BatchStrOut(msgspec.Struct, tag=True):
     deltas: list[StreamDelta]
-
-
-SCHEDULER_INPUTS = (
-    TokenizedGenerateReq, AbortReq, StopStrMatched, FlushCacheReq, GetInternalStateReq, SetInternalStateReq,
-)  # fmt: skip

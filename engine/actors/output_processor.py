@@ -8,7 +8,9 @@ string is decided here, and the scheduler is told so it frees the request at onc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 from engine.actors.messages import BatchStrOut, BatchTokenOut, RegisterReq, StopStrMatched, StreamDelta
 from engine.actors.runtime import Actor
@@ -21,20 +23,19 @@ class _ReqState:
     matcher: StopStringMatcher | None
     completion_tokens: int = 0
     finished: bool = False
-    logprobs: list[float] = field(default_factory=list)
 
 
 class OutputProcessor(Actor):
     accepts = (RegisterReq, BatchTokenOut)
 
-    def __init__(self, tokenizer, receiver: Actor, dispatcher: Actor) -> None:
+    def __init__(self, tokenizer) -> None:
         super().__init__("output_processor")
         self.tokenizer = tokenizer
-        self.receiver = receiver
-        self.dispatcher = dispatcher
+        self.receiver: Actor | None = None  # BatchStrOut
+        self.dispatcher: Actor | None = None  # StopStrMatched
         self.states: dict[str, _ReqState] = {}
 
-    async def handle(self, msg) -> None:
+    async def handle(self, msg: msgspec.Struct) -> None:
         if isinstance(msg, RegisterReq):
             self.states[msg.rid] = _ReqState(
                 IncrementalDetokenizer(self.tokenizer, msg.prompt_ids, msg.skip_special_tokens),
@@ -76,10 +77,15 @@ class OutputProcessor(Actor):
         if not ids and not text and reason is None:
             return None
         return StreamDelta(
-            rid=rid, text=text, token_ids=ids, finish_reason=reason,
+            rid=rid,
+            text=text,
+            token_ids=ids,
+            finish_reason=reason,
             error=msg.messages[i] if reason == "abort" else None,
-            prompt_tokens=msg.prompt_tokens[i], completion_tokens=st.completion_tokens,
-            cached_tokens=msg.cached_tokens[i], matched_stop=matched_stop,
+            prompt_tokens=msg.prompt_tokens[i],
+            completion_tokens=st.completion_tokens,
+            cached_tokens=msg.cached_tokens[i],
+            matched_stop=matched_stop,
             logprobs=[msg.logprobs[i]] if msg.logprobs[i] is not None and ids else None,
             top_logprobs=[msg.top_logprobs[i]] if msg.top_logprobs[i] is not None and ids else None,
-        )  # fmt: skip
+        )

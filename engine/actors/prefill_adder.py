@@ -1,162 +1,100 @@
-"""Choosing the next prefill: schedule policy and the token budgets of `PrefillAdder` (seed 001).
+"""PrefillAdderActor: the actor that owns the waiting queue and decides what prefills next.
 
-`SchedulePolicy` orders the waiting queue (LPM: longest cached prefix first, falling back to FCFS
-when the queue is long because matching every request each step would cost more than it saves;
-FCFS; LOF: longest output first; random).
+It wraps a `PrefillPlanner` (engine/scheduler/waiting_queue.py). New requests arrive here from the
+Dispatcher; requests the scheduler gives back (retracted) arrive as `RequeueReqs`. Once per round
+with something to prefill, the scheduler sends a `PlanPrefillReq` with its budgets and waits for
+the `PrefillPlanReply`: the requests to prefill, taken out of the queue, each with its prefix
+match. The scheduler stays the owner of memory and of the running batch.
 
-In-batch prefix sharing (LPM, as SGLang's "in-batch prefix caching"): requests that arrive
-together with a common prompt head (say 64 users of one system prompt) find nothing in the
-radix tree yet, so admitting them together would compute that prefix once per request. When a
-request's first `IN_BATCH_PREFIX_LEN` tokens equal those of a request ahead of it (one that is
-computing its prompt now, its KV not yet in the tree, or one earlier in this round's order with a
-short cached match), it is *deferred*: it waits until the leader's prompt is in the tree, then
-matches all of it (also when the leader is a chunked prefill that has cached only part so far). `PrefillAdder` then walks that order and admits
-requests while three budgets hold:
+Reading the radix tree: the planner matches prompts against the scheduler's tree only while
+handling a `PlanPrefillReq`, and the scheduler sends that request and then waits for this reply
+without touching the tree, so the two never interleave on it.
 
-- rem_total_tokens: free + evictable KV minus what the running decodes will still need
-  (their remaining max_new_tokens, clipped, times `new_token_ratio`);
-- rem_input_tokens: `max_prefill_tokens` of new prompt tokens per prefill batch;
-- rem_chunk_tokens: `chunked_prefill_size`; a prompt longer than what is left is cut into a
-  chunk and continued first next round (only one chunked request at a time).
+Aborts reach this actor only through the scheduler (which forwards those of requests it does not
+hold): see the Dispatcher for why that order can never lose one.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+import msgspec
 
-from engine.cache.radix_cache import BasePrefixCache
-from engine.scheduler.batch import Req
-
-# A running request's future need is estimated from at most this many of its remaining tokens.
-CLIP_MAX_NEW_TOKENS = 4096
-LPM_FALLBACK_QUEUE_LEN = 128
-# Requests whose first this-many tokens are equal share a prefix worth waiting one round for.
-IN_BATCH_PREFIX_LEN = 32
-
-
-def prompt_head(req: Req) -> tuple[int, ...] | None:
-    """The key under which requests count as sharing a prefix; None for short prompts."""
-    ids = req.fill_ids
-    return tuple(ids[:IN_BATCH_PREFIX_LEN]) if len(ids) > IN_BATCH_PREFIX_LEN else None
+from engine.actors.messages import (
+    AbortReq,
+    BatchTokenOut,
+    PlanPrefillReq,
+    PrefillPlanReply,
+    RequeueReqs,
+    StopStrMatched,
+    TokenizedGenerateReq,
+    WaitingCount,
+)
+from engine.actors.runtime import Actor
+from engine.scheduler.batch import Finished, FinishReason, Req
+from engine.scheduler.waiting_queue import PrefillPlanner
 
 
-class SchedulePolicy:
-    POLICIES = ("lpm", "fcfs", "lof", "random")
+class PrefillAdderActor(Actor):
+    accepts = (TokenizedGenerateReq, PlanPrefillReq, RequeueReqs, AbortReq, StopStrMatched)
 
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool) -> None:
-        if policy not in self.POLICIES:
-            raise ValueError(f"unknown schedule policy {policy!r}; use one of {self.POLICIES}")
-        self.policy = policy
-        self.tree_cache = tree_cache
-        self.radix_enabled = radix_enabled
+    def __init__(
+        self, planner: PrefillPlanner, eos_token_ids: frozenset[int], context_len: int, pool_tokens: int
+    ) -> None:
+        super().__init__("prefill_adder")
+        self.planner = planner
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.pool_tokens = pool_tokens  # KV pool size: a prompt that never fits is refused here
+        self.scheduler: Actor | None = None  # PrefillPlanReply, WaitingCount
+        self.output: Actor | None = None  # BatchTokenOut for requests aborted while waiting
+        self.version = 0  # of the queue length last told to the scheduler (WaitingCount, replies)
+        self._told = 0
 
-    def calc_priority(self, waiting: list[Req], in_flight: list[Req] = ()) -> set[int]:
-        """Reorder `waiting` in place; return the ids of requests deferred for prefix sharing.
+    async def run(self) -> None:
+        while True:
+            self._handle(await self.recv())
+            for msg in self.drain():  # a burst of arrivals is one WaitingCount, not one each
+                self._handle(msg)
+            if len(self.planner) != self._told:
+                self._told = len(self.planner)
+                self.version += 1
+                self.scheduler.send(WaitingCount(self._told, self.version))
 
-        `in_flight`: requests whose prompt is being computed now and is not in the tree yet.
-        Deferred requests are sorted last and must not be admitted this round.
-        """
-        policy = self.policy
-        if policy == "lpm" and (not self.radix_enabled or len(waiting) > LPM_FALLBACK_QUEUE_LEN):
-            policy = "fcfs"
-        deferred: set[int] = set()
-        if policy == "lpm":
-            for req in waiting:
-                req.init_next_round_input(self.tree_cache)
-            waiting.sort(key=lambda r: -len(r.prefix_indices))
-            # Leaders: requests computing their prompt head now or ahead in this order. A waiting
-            # request with a long cached match is not computing its head, so it leads no one.
-            leaders = {prompt_head(r) for r in in_flight} - {None}
-            for req in waiting:
-                if (head := prompt_head(req)) is None:
-                    continue
-                if head in leaders:
-                    deferred.add(id(req))
-                elif len(req.prefix_indices) <= IN_BATCH_PREFIX_LEN:
-                    leaders.add(head)
-            if deferred:
-                waiting.sort(key=lambda r: id(r) in deferred)  # stable: LPM order within each part
-        elif policy == "lof":
-            waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
-        elif policy == "random":
-            random.shuffle(waiting)
-        # fcfs: arrival order, as queued
-        return deferred
+    def _handle(self, msg: msgspec.Struct) -> None:
+        if isinstance(msg, PlanPrefillReq):
+            plan = self.planner.plan(msg.budget)
+            self._told = plan.num_waiting
+            self.version += 1
+            self.scheduler.send(PrefillPlanReply(msg.reply_id, plan, self.version))
+        elif isinstance(msg, TokenizedGenerateReq):
+            self._add(msg)
+        elif isinstance(msg, RequeueReqs):
+            self.planner.requeue(msg.reqs)
+        elif isinstance(msg, AbortReq):
+            req = self.planner.remove(msg.rid)
+            if req is not None:
+                req.abort(msg.message)
+                self.output.send(BatchTokenOut.finished([req]))
+        elif isinstance(msg, StopStrMatched):  # its text already ended: just forget it
+            req = self.planner.remove(msg.rid)
+            if req is not None:
+                req.finished_reason = Finished(FinishReason.STOP, matched=msg.matched)
 
-
-@dataclass
-class PrefillAdder:
-    tree_cache: BasePrefixCache
-    page_size: int
-    rem_total_tokens: int
-    rem_input_tokens: int
-    rem_chunk_tokens: int | None
-    max_new_reqs: int
-    can_run_list: list[Req] = field(default_factory=list)
-    new_chunked_req: Req | None = None
-    log_hit_tokens: int = 0
-    log_input_tokens: int = 0
-
-    @staticmethod
-    def running_reservation(running: list[Req], new_token_ratio: float) -> int:
-        """Tokens the running decodes are expected to still need."""
-        return sum(
-            int(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
-            for r in running
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            msg.sampling_params,
+            seed=msg.seed,
+            eos_token_ids=self.eos_token_ids,
+            max_context_len=self.context_len,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
         )
-
-    def _page_ceil(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
-
-    def add_chunked_req(self, req: Req) -> Req | None:
-        """Continue the chunked request first; returns it if it still needs more chunks."""
-        req.init_next_round_input()  # no re-match: it keeps its own (partly uncached) prefix
-        return self._add(req, lock=False)
-
-    def add_one_req(self, req: Req) -> bool:
-        """Try to admit a waiting request; False means stop adding (a budget is exhausted)."""
-        if len(self.can_run_list) >= self.max_new_reqs:
-            return False
-        req.init_next_round_input(self.tree_cache)
-        total_need = self._page_ceil(req.extend_input_len) + min(
-            req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS
-        )
-        if total_need > self.rem_total_tokens and self.can_run_list:
-            return False
-        if self._page_ceil(req.extend_input_len) + self.page_size > self.rem_total_tokens:
-            return False  # not even its prompt fits now
-        if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
-            return False
-        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
-            return False
-        if not req.output_ids:  # first admission: what the prefix cache saved us (retries excluded)
-            req.cached_tokens = len(req.prefix_indices)
-        self.log_hit_tokens += len(req.prefix_indices)
-        self.log_input_tokens += len(req.prefix_indices) + req.extend_input_len
-        self._add(req, lock=True)
-        self.rem_total_tokens -= min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-        return self.new_chunked_req is None
-
-    def _add(self, req: Req, lock: bool) -> Req | None:
-        extend = req.extend_input_len
-        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
-            # Cut a page-aligned chunk; the rest continues next round.
-            chunk = self.rem_chunk_tokens // self.page_size * self.page_size
-            if chunk <= 0:
-                return None
-            req.extend_input_len = chunk
-            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
-            req.is_chunked += 1
-            self.new_chunked_req = req
-        else:
-            req.is_chunked = 0
-        if lock:
-            self.tree_cache.inc_lock_ref(req.last_node)
-        self.can_run_list.append(req)
-        n = req.extend_input_len
-        self.rem_total_tokens -= self._page_ceil(n)
-        self.rem_input_tokens -= n
-        if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= n
-        return self.new_chunked_req
+        if len(msg.input_ids) + self.planner.page_size > self.pool_tokens:
+            req.abort(
+                f"the prompt has {len(msg.input_ids)} tokens but the KV cache pool holds only "
+                f"{self.pool_tokens}; it can never fit"
+            )
+            self.output.send(BatchTokenOut.finished([req]))
+            return
+        self.planner.add(req)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from typing import Any
+from collections.abc import Callable
 
-from engine.actors.messages import BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
+import msgspec
+
+from engine.actors.messages import AbortReq, BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
 from engine.actors.runtime import Actor
+from engine.api import Prompt
 from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
 from engine.sampling import SamplingParams
 
-Prompt = str | list[int] | list[dict[str, Any]]
 DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
 
 
@@ -32,8 +34,8 @@ class Receiver(Actor):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
-        self.dispatcher: Actor | None = None
-        self.output: Actor | None = None
+        self.dispatcher: Actor | None = None  # TokenizedGenerateReq, AbortReq, control messages
+        self.output: Actor | None = None  # RegisterReq
         self.streams: dict[str, asyncio.Queue[StreamDelta]] = {}
         self.pending: dict[int, asyncio.Future[ControlReply]] = {}
         self._ids = itertools.count()
@@ -51,15 +53,22 @@ class Receiver(Actor):
             return list(prompt)
         if all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
             try:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)  # fmt: skip
+                ids = self.tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             except Exception as e:  # a template error is the caller's bad input
                 raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
             return list(ids)
         raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", "prompt")
 
-    def submit(self, prompt: Prompt, params: SamplingParams, rid: str | None = None,
-               return_logprob: bool = False, top_logprobs_num: int = 0) -> tuple[str, asyncio.Queue[StreamDelta]]:  # fmt: skip
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> tuple[str, asyncio.Queue[StreamDelta]]:
         """Validate and enqueue one request; returns its rid and the queue its deltas arrive on."""
         params.verify(self.vocab_size)
         if not 0 <= top_logprobs_num <= 20:
@@ -80,11 +89,21 @@ class Receiver(Actor):
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.streams[rid] = queue
         self.output.send(RegisterReq(rid, ids[-DETOKENIZE_CONTEXT:], params.skip_special_tokens, params.stop_strs))
-        self.dispatcher.send(TokenizedGenerateReq(rid, ids, params, seed, return_logprob or top_logprobs_num > 0,
-                                                  top_logprobs_num))  # fmt: skip
+        self.dispatcher.send(
+            TokenizedGenerateReq(rid, ids, params, seed, return_logprob or top_logprobs_num > 0, top_logprobs_num)
+        )
         return rid, queue
 
-    async def control(self, make_msg, timeout: float = 30.0) -> ControlReply:
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        """Abort `rid`; its stream stays open and gets the final (abort) delta."""
+        self.dispatcher.send(AbortReq(rid, message))
+
+    def close_stream(self, rid: str, message: str = "the client stopped reading") -> None:
+        """The consumer of `rid` went away: forget its stream and abort the request."""
+        if self.streams.pop(rid, None) is not None and self.dispatcher.running:
+            self.dispatcher.send(AbortReq(rid, message))
+
+    async def control(self, make_msg: Callable[[int], msgspec.Struct], timeout: float = 30.0) -> ControlReply:
         """Send a control message built by `make_msg(reply_id)` and await its reply."""
         reply_id = next(self._ids)
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
@@ -95,7 +114,7 @@ class Receiver(Actor):
         finally:
             self.pending.pop(reply_id, None)
 
-    async def handle(self, msg) -> None:
+    async def handle(self, msg: msgspec.Struct) -> None:
         if isinstance(msg, ControlReply):
             fut = self.pending.get(msg.reply_id)
             if fut is not None and not fut.done():

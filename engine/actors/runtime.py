@@ -1,24 +1,24 @@
 """Actor runtime: one asyncio task plus one typed mailbox per actor (the supervisor: supervisor.py).
 
-Why actors: SGLang's scheduler, tokenizer and detokenizer talk over queues; making each of
-them an actor with a mailbox that accepts only declared `msgspec.Struct` types keeps every
-boundary explicit, so a boundary can later become a process boundary (the same Structs go
-over msgpack, see `mailbox_codec`) without changing the code on either side.
+Why actors: SGLang's scheduler, tokenizer and detokenizer talk over queues; making each stage an
+actor with a mailbox that accepts only declared `msgspec.Struct` types keeps every boundary
+explicit: who may send what to whom is written in the `accepts` of each actor class.
 
 Rules the runtime enforces, and why:
 
-* Message types are tagged Structs, checked when the actor class is defined: a mailbox's union
-  can only be decoded from msgpack if every member carries a distinct tag.
+* Message types are tagged Structs, checked when the actor class is defined (their union must
+  build a msgpack decoder), so a mailbox's messages stay plain data that could cross a process.
 * `send` is synchronous and never blocks: the scheduler must not stall on a slow consumer;
   back-pressure belongs to admission control, not to the mailbox. It fails at the sender
   (TypeError for a type the actor does not accept, ActorStoppedError for a dead actor), so
   mistakes surface where they are made instead of as a message that is never handled.
 * A crash is never silent: it is logged with the actor's name, kept in `error`, handed to
-  `on_crash` (so the actor can fail the requests it owns) and reported to the `ActorSystem`.
+  `on_crash` (so the actor can fail the requests it owns) and to the crash listener (the
+  `ActorSystem`, which turns the engine unhealthy).
 * Nothing hangs: `stop` waits at most `timeout` before cancelling the task.
 
-Mailboxes are single-reader and loop-bound: call `send` from the event loop's thread (from other
-threads use `loop.call_soon_threadsafe(actor.send, msg)`), and receive only from the actor's task.
+Mailboxes are single-reader and loop-bound: call `send` from the event loop's thread, and receive
+only from the actor's own task.
 """
 
 from __future__ import annotations
@@ -28,32 +28,30 @@ import collections
 import concurrent.futures
 import enum
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
+from collections.abc import Callable
+from typing import Any, ClassVar, Union
 
 import msgspec
 
 from engine.errors import EngineError
 
-if TYPE_CHECKING:
-    from engine.actors.supervisor import ActorSystem
-
-__all__ = [
-    "Actor",
-    "ActorState",
-    "ActorStats",
-    "ActorStoppedError",
-    "RestartPolicy",
-    "mailbox_codec",
-]
+__all__ = ["Actor", "ActorState", "ActorStats", "ActorStoppedError", "CrashListener"]
 
 logger = logging.getLogger(__name__)
-
-RestartPolicy = Literal["never", "restart"]
 
 # After a stop timeout the task is cancelled; this bounds how long we then wait for it to unwind,
 # so even a task that swallows CancelledError cannot make `stop` hang.
 _CANCEL_GRACE_S = 1.0
+
+
+class ActorState(enum.Enum):
+    """Lifecycle of an actor; `send` is accepted only in NEW and RUNNING."""
+
+    NEW = "new"  # constructed; sends queue up and are handled once started
+    RUNNING = "running"
+    STOPPING = "stopping"  # draining messages sent before stop()
+    STOPPED = "stopped"
+    CRASHED = "crashed"
 
 
 class ActorStoppedError(EngineError, RuntimeError):
@@ -70,36 +68,24 @@ class ActorStoppedError(EngineError, RuntimeError):
         self.cause = cause
 
 
-class ActorState(enum.Enum):
-    """Lifecycle of an actor; `send` is accepted only in NEW, RUNNING and RESTARTING."""
-
-    NEW = "new"  # constructed; sends queue up and are handled once started
-    RUNNING = "running"
-    RESTARTING = "restarting"  # crashed, the supervisor will start a fresh task
-    STOPPING = "stopping"  # draining messages sent before stop()
-    STOPPED = "stopped"
-    CRASHED = "crashed"
-
-
-_ACCEPTING = frozenset({ActorState.NEW, ActorState.RUNNING, ActorState.RESTARTING})
-
-
 class ActorStats(msgspec.Struct, frozen=True):
     """Counters for the engine's internal-state endpoint (a Struct so it encodes as-is)."""
 
     name: str
     state: str
-    received: int  # messages taken out of the mailbox (for a handle()-actor: handled)
+    received: int  # messages taken out of the mailbox
     depth: int  # messages waiting in the mailbox now
-    restarts: int
     error: str | None
 
 
+CrashListener = Callable[["Actor", BaseException], None]
+
+
 class _StopSignal(BaseException):
-    """Raised by the receive methods once stop() was requested and the mailbox is empty.
+    """Raised by the receive methods once stop() was requested and nothing is left to receive.
 
     A BaseException so that a broad `except Exception` in a subclass's run() loop cannot swallow
-    it: it must unwind run() so that on_stop() runs.
+    it: it must unwind run().
     """
 
 
@@ -119,31 +105,17 @@ def _check_accepts(owner: str, accepts: object) -> tuple[type[msgspec.Struct], .
         raise TypeError(f"{owner}.accepts lists a type twice: {accepts!r}")
     if accepts:
         # Builds the union decoder now: distinct tags and one shared tag_field are checked here.
-        msgspec.msgpack.Decoder(Union[accepts])  # type: ignore[valid-type]
+        msgspec.msgpack.Decoder(Union[accepts])  # type: ignore[valid-type]  # noqa: UP007
     return accepts
-
-
-def mailbox_codec(
-    accepts: Iterable[type[msgspec.Struct]],
-) -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder[Any]]:
-    """An (encoder, decoder) pair that moves any message of `accepts` through msgpack.
-
-    The decoder targets the tagged union of all accepted types, so each payload comes back as
-    the class it was sent as: this is all a mailbox needs to cross a process boundary.
-    """
-    types = _check_accepts("mailbox_codec", tuple(accepts))
-    if not types:
-        raise TypeError("mailbox_codec needs at least one message type")
-    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Union[types])  # type: ignore[valid-type]
 
 
 class Actor:
     """One asyncio task draining one mailbox of declared, tagged `msgspec.Struct` messages.
 
     Write an actor either by overriding `handle` (the default `run` feeds it one message at a
-    time) or by overriding `run` to own the loop, using `recv`, `recv_nowait`, `drain` and
-    `recv_or` (a scheduler waking on a new request *or* a finished device step). Subclasses with
-    an `__init__` must call `super().__init__(name)`.
+    time) or by overriding `run` to own the loop, using `recv`, `drain`, `recv_or` (a scheduler
+    waking on a new request *or* a finished device step) and `recv_matching` (wait for one
+    reply while leaving everything else queued). Subclasses must call `super().__init__(name)`.
     """
 
     accepts: ClassVar[tuple[type[msgspec.Struct], ...]] = ()
@@ -156,6 +128,7 @@ class Actor:
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or type(self).__name__
+        self.crash_listener: CrashListener | None = None  # set by the ActorSystem
         self._mailbox: collections.deque[msgspec.Struct] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -163,8 +136,6 @@ class Actor:
         self._stop_requested = False
         self._error: BaseException | None = None
         self._received = 0
-        self._restarts = 0
-        self._supervisor: ActorSystem | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self._state.value} depth={len(self._mailbox)}>"
@@ -177,13 +148,13 @@ class Actor:
             # Exact type match: a Struct subclass has its own tag, so it would not decode as the
             # declared type on the far side of a process boundary.
             accepted = ", ".join(t.__qualname__ for t in self.accepts) or "nothing"
-            raise TypeError(
-                f"actor {self.name!r} accepts [{accepted}], not {type(msg).__qualname__}"
-            )
-        if self._state not in _ACCEPTING or self._stop_requested:
+            raise TypeError(f"actor {self.name!r} accepts [{accepted}], not {type(msg).__qualname__}")
+        if self._state not in (ActorState.NEW, ActorState.RUNNING) or self._stop_requested:
             raise ActorStoppedError(self.name, self._state, self._error)
         self._mailbox.append(msg)
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # ---- receiving (from the actor's own task) -------------------------------------------------
 
@@ -193,15 +164,8 @@ class Actor:
             if self._stop_requested:
                 raise _StopSignal
             await self._wait()
-        return self._pop()
-
-    def recv_nowait(self) -> msgspec.Struct | None:
-        """The next message, or None when the mailbox is empty."""
-        if self._mailbox:
-            return self._pop()
-        if self._stop_requested:
-            raise _StopSignal
-        return None
+        self._received += 1
+        return self._mailbox.popleft()
 
     def drain(self) -> list[msgspec.Struct]:
         """Every queued message at once (a scheduler admits a whole burst per step)."""
@@ -214,6 +178,19 @@ class Actor:
         self._received += len(msgs)
         return msgs
 
+    async def recv_matching(self, match: Callable[[msgspec.Struct], bool]) -> msgspec.Struct:
+        """Wait for the first message for which `match` is true; every other message stays queued,
+        in order (Erlang's selective receive: a request/reply round trip inside a step)."""
+        while True:
+            for i, msg in enumerate(self._mailbox):
+                if match(msg):
+                    del self._mailbox[i]
+                    self._received += 1
+                    return msg
+            if self._stop_requested:
+                raise _StopSignal
+            await self._wait()
+
     async def recv_or(
         self, fut: asyncio.Future[Any] | concurrent.futures.Future[Any]
     ) -> tuple[msgspec.Struct | None, bool]:
@@ -223,16 +200,11 @@ class Actor:
         `fut` is neither consumed nor cancelled, so the caller reads its result when `done` is
         True and may pass it again otherwise. Queued messages win over a finished future, so a
         caller that loops drains its mailbox first. Waiting uses a done-callback, not polling.
-        Only futures (and Tasks) are accepted: a bare coroutine would have to be wrapped in a
-        task whose result the caller could never reach when a message wins.
         """
         if isinstance(fut, concurrent.futures.Future):
             fut = asyncio.wrap_future(fut)
         elif not asyncio.isfuture(fut):
-            raise TypeError(
-                f"recv_or needs a Future or Task, not {type(fut).__name__}; wrap a coroutine with"
-                " asyncio.ensure_future() and keep the task to read its result"
-            )
+            raise TypeError(f"recv_or needs a Future or Task, not {type(fut).__name__}")
         if not self._mailbox and not fut.done() and not self._stop_requested:
             waiter = self._new_waiter()
 
@@ -247,14 +219,11 @@ class Actor:
                 fut.remove_done_callback(wake)
                 self._clear_waiter(waiter)
         if self._mailbox:
-            return self._pop(), fut.done()
+            self._received += 1
+            return self._mailbox.popleft(), fut.done()
         if fut.done():
             return None, True
         raise _StopSignal
-
-    def _pop(self) -> msgspec.Struct:
-        self._received += 1
-        return self._mailbox.popleft()
 
     def _new_waiter(self) -> asyncio.Future[None]:
         if self._waiter is not None and not self._waiter.done():
@@ -273,11 +242,6 @@ class Actor:
         finally:
             self._clear_waiter(waiter)
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     # ---- behaviour (override) ------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -289,12 +253,6 @@ class Actor:
     async def handle(self, msg: msgspec.Struct) -> None:
         """Process one message (override this, or override `run`)."""
         raise NotImplementedError(f"{type(self).__qualname__} overrides neither handle() nor run()")
-
-    async def on_start(self) -> None:
-        """Runs in the actor's task before the first message (and again after each restart)."""
-
-    async def on_stop(self) -> None:
-        """Runs after a clean stop, once every message sent before stop() was received."""
 
     async def on_crash(self, exc: BaseException) -> None:
         """Runs after handle/run raised: fail the requests this actor owns here."""
@@ -311,44 +269,24 @@ class Actor:
         return self._state in (ActorState.RUNNING, ActorState.STOPPING)
 
     @property
-    def stopping(self) -> bool:
-        """True once stop() was requested: a custom run() loop that never receives checks this."""
-        return self._stop_requested
-
-    @property
     def error(self) -> BaseException | None:
-        """The exception of the last crash (kept after a restart, for diagnosis), or None."""
+        """The exception the actor crashed with, or None."""
         return self._error
 
-    @property
-    def depth(self) -> int:
-        """Messages waiting in the mailbox."""
-        return len(self._mailbox)
-
     def stats(self) -> ActorStats:
-        return ActorStats(
-            name=self.name,
-            state=self._state.value,
-            received=self._received,
-            depth=len(self._mailbox),
-            restarts=self._restarts,
-            error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
-        )
+        error = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+        return ActorStats(self.name, self._state.value, self._received, len(self._mailbox), error)
 
     def start(self) -> None:
-        """Create the actor's task on the running loop. An actor starts once (restarts are the
-        supervisor's job), so a second call is a bug and raises RuntimeError."""
+        """Create the actor's task on the running loop; an actor starts once."""
         if self._state is not ActorState.NEW:
             raise RuntimeError(f"actor {self.name!r} cannot start: it is {self._state.value}")
-        asyncio.get_running_loop()  # raise here, not inside create_task, when no loop runs
-        self._spawn()
-
-    def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()  # raise here, not inside create_task, when no loop runs
         self._state = ActorState.RUNNING
-        self._task = asyncio.get_running_loop().create_task(self._main(), name=f"actor:{self.name}")
+        self._task = loop.create_task(self._main(), name=f"actor:{self.name}")
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop cleanly: messages already queued are received first, then on_stop() runs.
+        """Stop cleanly: messages already queued are received first, then the task ends.
 
         New sends fail from now on. If the task has not finished after `timeout` seconds it is
         cancelled, so a wedged actor cannot hang shutdown. Called from the actor's own task, it
@@ -357,10 +295,12 @@ class Actor:
         if self._state is ActorState.NEW:
             self._state = ActorState.STOPPED
             return
-        if self._state in (ActorState.RUNNING, ActorState.RESTARTING):
+        if self._state is ActorState.RUNNING:
             self._state = ActorState.STOPPING
         self._stop_requested = True
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         task = self._task
         if task is None or task.done() or task is asyncio.current_task():
             return
@@ -375,45 +315,29 @@ class Actor:
             self._state = ActorState.STOPPED
 
     async def _main(self) -> None:
-        me = asyncio.current_task()
         try:
-            try:
-                await self.on_start()
-                await self.run()
-            except _StopSignal:
-                pass
-            await self.on_stop()
+            await self.run()
+        except _StopSignal:
+            pass
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await self._crash(exc)
         finally:
-            # Only the current task may settle the state: after a restart a new task owns it.
-            if self._task is me and self._state in (
-                ActorState.RUNNING, ActorState.STOPPING, ActorState.RESTARTING
-            ):
+            if self._state in (ActorState.RUNNING, ActorState.STOPPING):
                 self._state = ActorState.STOPPED
 
     async def _crash(self, exc: Exception) -> None:
-        sup = self._supervisor
-        may_restart = self._state is ActorState.RUNNING and not self._stop_requested
-        restart = sup is not None and sup._decide(self, exc, may_restart)
-        # Set before on_crash runs, so sends made meanwhile fail at once (or queue for a restart).
-        self._state = ActorState.RESTARTING if restart else ActorState.CRASHED
+        # Set before on_crash runs, so sends made meanwhile fail at once.
+        self._state = ActorState.CRASHED
         self._error = exc
-        logger.error(
-            "actor %r crashed%s: %s: %s", self.name, " (restarting)" if restart else "",
-            type(exc).__name__, exc, exc_info=exc,
-        )
+        logger.error("actor %r crashed: %s: %s", self.name, type(exc).__name__, exc, exc_info=exc)
         try:
             await self.on_crash(exc)
         except Exception:
             logger.exception("actor %r: on_crash raised", self.name)
-        if sup is not None:
-            sup._notify(self, exc)
-        if restart:
-            if self._state is ActorState.RESTARTING:  # stop() may have come during on_crash
-                self._restarts += 1
-                self._spawn()  # fresh task; the mailbox and its pending messages are kept
-            else:
-                self._state = ActorState.STOPPED
+        if self.crash_listener is not None:
+            try:
+                self.crash_listener(self, exc)
+            except Exception:
+                logger.exception("actor %r: crash listener raised", self.name)

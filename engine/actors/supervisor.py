@@ -1,124 +1,71 @@
-"""ActorSystem: starts, stops and supervises a set of actors (restart policies, sticky health).
+"""ActorSystem: starts and stops a set of actors and keeps the engine's health.
 
-Split from runtime.py, which holds the Actor itself; an actor calls back into its system when it
-crashes (`_decide` before its on_crash hook: restart or give up; `_notify` after: record, tell
-the owner).
+Health is sticky: once an actor crashes the system is unhealthy, so a health check reports a
+broken engine instead of one that silently lost a stage. Nothing is restarted: an actor that
+crashed may have lost requests' state, and the engine's owner (a supervisor process, an operator)
+decides what happens next.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
-from engine.actors.runtime import Actor, ActorState, ActorStats, RestartPolicy
+from engine.actors.runtime import Actor, ActorState, ActorStats
 
 __all__ = ["ActorSystem"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Entry:
-    actor: Actor
-    restart_policy: RestartPolicy
-    max_restarts: int
-    restarts: int = 0
-
-
 class ActorSystem:
-    """Starts, stops and supervises a set of actors.
-
-    Health is sticky: once an actor crashes for good (policy "never", or its restarts are used
-    up) the system is unhealthy, so a health check reports a broken engine instead of one that
-    silently lost a stage. Crashes that were restarted are still listed in `crashed`.
-    """
-
-    def __init__(
-        self,
-        on_crash: Callable[[str, BaseException], None] | None = None,
-        stop_timeout: float = 5.0,
-    ) -> None:
-        self._entries: dict[str, _Entry] = {}
+    def __init__(self, on_crash: Callable[[str, BaseException], None] | None = None, stop_timeout: float = 5.0) -> None:
+        self._actors: dict[str, Actor] = {}
         self._on_crash = on_crash
         self.stop_timeout = stop_timeout
         self.crashed: list[tuple[str, BaseException]] = []
-        self._healthy = True
-        self._started = False
-        self._stopping = False
 
-    def add(
-        self,
-        actor: Actor,
-        *,
-        restart_policy: RestartPolicy = "never",
-        max_restarts: int = 3,
-    ) -> Actor:
-        """Register `actor` (names must be unique); it starts now if the system already runs."""
-        if restart_policy not in ("never", "restart"):
-            raise ValueError(f"restart_policy must be 'never' or 'restart', not {restart_policy!r}")
-        if max_restarts < 0:
-            raise ValueError("max_restarts must be >= 0")
-        if actor.name in self._entries:
+    def add(self, actor: Actor) -> Actor:
+        """Register `actor` (names must be unique); `start_all` starts it."""
+        if actor.name in self._actors:
             raise ValueError(f"an actor named {actor.name!r} is already in the system")
-        if actor._supervisor is not None:
+        if actor.crash_listener is not None:
             raise ValueError(f"actor {actor.name!r} already belongs to a system")
-        actor._supervisor = self
-        self._entries[actor.name] = _Entry(actor, restart_policy, max_restarts)
-        if self._started and not self._stopping and actor.state is ActorState.NEW:
-            actor.start()
+        actor.crash_listener = self._crashed
+        self._actors[actor.name] = actor
         return actor
 
     def __getitem__(self, name: str) -> Actor:
-        return self._entries[name].actor
+        return self._actors[name]
 
     @property
     def actors(self) -> list[Actor]:
-        return [e.actor for e in self._entries.values()]
+        return list(self._actors.values())
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return not self.crashed
 
     def stats(self) -> list[ActorStats]:
-        return [e.actor.stats() for e in self._entries.values()]
+        return [a.stats() for a in self._actors.values()]
 
     def start_all(self) -> None:
         """Start every actor not started yet, in the order they were added."""
-        self._started = True
-        for entry in self._entries.values():
-            if entry.actor.state is ActorState.NEW:
-                entry.actor.start()
+        for actor in self._actors.values():
+            if actor.state is ActorState.NEW:
+                actor.start()
 
     async def stop_all(self, timeout: float | None = None) -> None:
         """Stop every actor in reverse order of addition; each gets `timeout` before cancel.
 
         Bounded: at most about n * (timeout + 1 s) even when every actor is wedged.
         """
-        self._stopping = True
         t = self.stop_timeout if timeout is None else timeout
-        for entry in reversed(list(self._entries.values())):
-            await entry.actor.stop(t)
+        for actor in reversed(list(self._actors.values())):
+            await actor.stop(t)
 
-    def _decide(self, actor: Actor, exc: BaseException, may_restart: bool) -> bool:
-        """Called by a crashing actor before on_crash: restart it, or mark the system unhealthy."""
-        entry = self._entries.get(actor.name)
-        if (
-            entry is not None
-            and may_restart
-            and not self._stopping
-            and entry.restart_policy == "restart"
-            and entry.restarts < entry.max_restarts
-        ):
-            entry.restarts += 1
-            return True
-        if entry is not None and entry.restart_policy == "restart" and may_restart:
-            logger.error("actor %r exhausted %d restarts", actor.name, entry.max_restarts)
-        self._healthy = False
-        return False
-
-    def _notify(self, actor: Actor, exc: BaseException) -> None:
-        """Called by a crashing actor after its on_crash: record it and tell the owner."""
+    def _crashed(self, actor: Actor, exc: BaseException) -> None:
+        """An actor's crash listener: record it (health turns False) and tell the owner."""
         self.crashed.append((actor.name, exc))
         if self._on_crash is not None:
             try:

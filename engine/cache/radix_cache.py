@@ -30,23 +30,35 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
-if TYPE_CHECKING:
-    from engine.scheduler.batch import Req
-
 ChildKey = int | tuple[int, ...]
+
+
+class CacheableReq(Protocol):
+    """What a prefix cache reads and updates of a request (the scheduler's `Req` has all of it).
+
+    Declared here, below the scheduler, so the cache never imports scheduler types.
+    """
+
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]
+    prefix_indices: torch.Tensor  # int64 KV slots of the cached prefix (+ its own unaligned tail)
+    req_pool_idx: int | None  # its row in the ReqToTokenPool
+    kv_committed_len: int  # positions whose KV is in the pool
+    last_node: Any  # the tree node its prefix ends at (locked while it runs)
 
 
 def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
-def _committed_tokens(req: Req) -> list[int]:
+def _committed_tokens(req: CacheableReq) -> list[int]:
     """The token ids of `req`'s first `kv_committed_len` positions, as far as they are known.
 
     `fill_ids` is exact for a chunk in flight (it is the truncated prompt) but goes stale during
@@ -71,11 +83,11 @@ class BasePrefixCache(ABC):
         """Cache `key -> value`; return how many leading tokens were already cached."""
 
     @abstractmethod
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: CacheableReq) -> None:
         """Hand a finished request's KV to the cache (or free it) and release its row and lock."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Make a running request's committed KV its prefix for the next round; it keeps its row."""
 
     def evict(self, num_tokens: int) -> int:
@@ -109,7 +121,7 @@ class TreeNode:
 
     _ids = itertools.count()
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time")
+    __slots__ = ("children", "id", "key", "last_access_time", "lock_ref", "parent", "value")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
         self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
@@ -140,9 +152,7 @@ class RadixCache(BasePrefixCache):
         page_size: int = 1,
     ) -> None:
         if page_size != token_to_kv_pool_allocator.page_size:
-            raise ValueError(
-                f"page_size {page_size} != allocator page_size {token_to_kv_pool_allocator.page_size}"
-            )
+            raise ValueError(f"page_size {page_size} != allocator page_size {token_to_kv_pool_allocator.page_size}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
@@ -259,7 +269,7 @@ class RadixCache(BasePrefixCache):
 
     # ---- request hand-off ---------------------------------------------------------------------
 
-    def _tree_len(self, req: Req) -> int:
+    def _tree_len(self, req: CacheableReq) -> int:
         """Leading positions of `req`'s row that already point at tree slots.
 
         `prefix_indices` is the tree prefix, possibly followed (after `cache_unfinished_req`) by
@@ -267,7 +277,7 @@ class RadixCache(BasePrefixCache):
         """
         return self._aligned(len(req.prefix_indices))
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: CacheableReq) -> None:
         """Insert the request's committed tokens, free what the tree does not take, drop its row.
 
         The last sampled token has no KV yet, so the key is the first `kv_committed_len` tokens.
@@ -288,7 +298,7 @@ class RadixCache(BasePrefixCache):
         self.dec_lock_ref(req.last_node)
         req.last_node = None
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Share a running request's committed prefix and point the request at the tree's slots.
 
         After this, `req.prefix_indices` covers all `kv_committed_len` positions: the tree's
@@ -380,8 +390,7 @@ class RadixCache(BasePrefixCache):
                 head = child.key[:8]
                 more = "..." if len(child.key) > 8 else ""
                 lines.append(
-                    f"{'  ' * depth}{head}{more} len={len(child.key)} lock={child.lock_ref} "
-                    f"t={child.last_access_time}"
+                    f"{'  ' * depth}{head}{more} len={len(child.key)} lock={child.lock_ref} t={child.last_access_time}"
                 )
                 walk(child, depth + 1)
 
@@ -410,7 +419,7 @@ class ChunkCache(BasePrefixCache):
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         return 0
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: CacheableReq) -> None:
         row = req.req_pool_idx
         if row is None:
             raise ValueError(f"cache_finished_req: {req!r} holds no req_to_token row")
@@ -420,7 +429,7 @@ class ChunkCache(BasePrefixCache):
         req.req_pool_idx = None
         req.last_node = None
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CacheableReq) -> None:
         row = req.req_pool_idx
         if row is None:
             raise ValueError(f"cache_unfinished_req: {req!r} holds no req_to_token row")

@@ -10,7 +10,7 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["HEAD_DIMS", "DTYPES", "load", "supports", "decode_attention", "extend_attention"]
+__all__ = ["DTYPES", "HEAD_DIMS", "available", "decode_attention", "extend_attention", "load", "supports"]
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -19,6 +19,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernels handle attention on this device, dtype and head size."""
     return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """`supports` and the extension is built (building it now if it is not cached)."""
+    return supports(device, dtype, head_dim) and load() is not None
 
 
 def decode_attention(
@@ -36,9 +41,14 @@ def decode_attention(
 
 
 def extend_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves: `[T, H, D]`.
 
     q `[T, H, D]` (requests' new tokens back to back); slots int64 `[R, L]`, row r holding

@@ -1,9 +1,11 @@
 """Fused bf16 elementwise ops of a decoder layer on CPUs (csrc/cpu_elementwise.cpp).
 
 RMSNorm (alone or after the residual add), SiLU(gate) * up and rotary embedding, each one pass over
-memory instead of torch's seven, two and four ops (rotary's result is bit-identical to torch's). They round like transformers' bf16 op order, but sum squares in
-another order, so a value can differ from torch's by one bf16 rounding step: they are used for
-bf16 only; fp32 keeps the torch ops, whose greedy output is token-identical to transformers'.
+memory instead of torch's seven, two and four ops (rotary's result is bit-identical to torch's).
+They round like transformers' bf16 op order, but sum squares in another order, so a value can
+differ from torch's by one bf16 rounding step: they are used for bf16 only; fp32 keeps the torch
+ops, whose greedy output is token-identical to transformers'. The layers (engine/layers/norm.py,
+activation.py, rotary.py) choose them once, at construction.
 """
 
 from __future__ import annotations
@@ -12,12 +14,33 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["load", "supports", "rms_norm", "add_rms_norm_", "silu_mul", "rotary"]
+__all__ = [
+    "ROTARY_HEAD_DIM_MULTIPLE",
+    "WIDTH_MULTIPLE",
+    "add_rms_norm_",
+    "available",
+    "load",
+    "rms_norm",
+    "rotary",
+    "silu_mul",
+    "supports",
+]
+
+# Shapes the kernels take: normalised rows and silu_mul's halves a multiple of 16 wide (the bf16
+# vector width), rotary's head size a multiple of 32 (two halves of whole vectors).
+WIDTH_MULTIPLE = 16
+ROTARY_HEAD_DIM_MULTIPLE = 32
 
 
 def supports(x: torch.Tensor) -> bool:
     """Whether the fused ops take this activation (CPU bf16, last dim a multiple of 16)."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % WIDTH_MULTIPLE == 0
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on this device and dtype can use the fused ops: CPU, bf16, the extension
+    built (`ASYNCLLM_CPU_KERNELS=0` or a failed build: no). Each op adds its own shape condition."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and load() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,13 +1,80 @@
-"""RMSNorm, computed in fp32 exactly as transformers' Llama/Qwen do (same op order => same bits)."""
+"""RMSNorm and residual-add + RMSNorm, as modules whose implementation is fixed at construction.
+
+- torch form (`rms_norm`): computed in fp32 exactly as transformers' Llama/Qwen do (same op order
+  => same bits), so fp32 greedy output stays token-identical to transformers';
+- fused form (kernels/cpu_elementwise.py): one pass over memory instead of seven ops, bf16 on a
+  CPU whose kernels built, rows a multiple of 16 wide. `AddRMSNorm`'s fused form adds into the
+  residual stream in place, so the residual must be the forward's own tensor (the embedding
+  output or a layer's sum), never a view of something else.
+
+Choosing at construction (from the model's device and dtype) keeps the per-token path free of
+feature checks.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from engine.kernels import cpu_elementwise
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: fp32 statistics, cast back, then the weight."""
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(input_dtype)
+
+
+def add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) in torch ops (transformers' order: add, then norm)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def fused_add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` in one fused pass; `residual` is updated in place and returned."""
+    return cpu_elementwise.add_rms_norm_(residual, x, weight, eps), residual
+
+
+def fused_norm_applies(hidden_size: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused norms run for this width, device and dtype (builds the kernels if needed)."""
+    return hidden_size % cpu_elementwise.WIDTH_MULTIPLE == 0 and cpu_elementwise.available(device, dtype)
+
+
+class RMSNorm(nn.Module):
+    """`weight * normalize(x)` over the last dim of `[T, N]` rows."""
+
+    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.uses_cpu_kernel = fused_norm_applies(hidden_size, device, dtype)
+        self._norm = cpu_elementwise.rms_norm if self.uses_cpu_kernel else rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.weight, self.eps)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+class AddRMSNorm(nn.Module):
+    """`residual += x`, then RMSNorm of the sum: returns (normalised, new residual)."""
+
+    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.uses_cpu_kernel = fused_norm_applies(hidden_size, device, dtype)
+        self._add_norm = fused_add_rms_norm if self.uses_cpu_kernel else add_rms_norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_norm(residual, x, self.weight, self.eps)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

@@ -2,8 +2,11 @@
 
 Inverse frequencies come from transformers' own RoPE initialisers (default, linear, llama3, yarn,
 longrope, ...), so every scaling type transformers supports for these models is computed the same
-way. cos/sin are computed per forward for the batch's positions, with the same op order as
-transformers, which keeps fp32 greedy outputs token-identical.
+way. cos/sin are computed once per forward for the batch's positions (`cos_sin`), with the same op
+order as transformers, which keeps fp32 greedy outputs token-identical; each layer then rotates
+its q|k slab (`forward`): in the fused C++ op for bf16 on a CPU whose kernels built (head size a
+multiple of 32; bit-identical to the torch ops), else in torch ops. The choice is made at
+construction, from the model's device and dtype.
 """
 
 from __future__ import annotations
@@ -11,20 +14,27 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.kernels import cpu_elementwise
 
 log = logging.getLogger(__name__)
 
 
-def _rope_parameters(config) -> dict:
+def _rope_parameters(config: PretrainedConfig) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" not in params:  # older-style configs
         params = dict(params, rope_theta=getattr(config, "rope_theta", 10000.0))
     return params
 
 
-class RotaryEmbedding:
-    def __init__(self, config, head_dim: int, device: torch.device) -> None:
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for a forward's positions, and the rotation of each layer's q|k heads."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
         params = _rope_parameters(config)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
@@ -35,10 +45,16 @@ class RotaryEmbedding:
             if rope_type == "dynamic":
                 log.warning("dynamic RoPE: using the base frequencies (exact up to the original max length)")
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        # fp32 whatever the model dtype; a plain attribute, not a buffer, so no cast ever reaches it
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
+        self.dtype = dtype
+        self.uses_cpu_kernel = head_dim % cpu_elementwise.ROTARY_HEAD_DIM_MULTIPLE == 0 and cpu_elementwise.available(
+            device, dtype
+        )
+        self._rotate = cpu_elementwise.rotary if self.uses_cpu_kernel else apply_rotary
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and *signed* sin, each [num_tokens, head_dim], for flat token positions.
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and *signed* sin in the model dtype, each [num_tokens, head_dim], for flat token positions.
 
         The sin's first half is negated here, once per forward, so `apply_rotary` needs no `neg`
         per layer: (-x2) * s == x2 * (-s) exactly, so results keep transformers' bits.
@@ -49,7 +65,13 @@ class RotaryEmbedding:
         sin = emb.sin() * self.attention_scaling
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
-        return cos.to(dtype), sin.to(dtype)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`x` [num_tokens, heads, head_dim] (rows of head_dim contiguous) rotated: a new tensor."""
+        return self._rotate(x, cos, signed_sin)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

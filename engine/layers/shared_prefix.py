@@ -47,10 +47,6 @@ class SharedPrefixPlan:
     suffix_pad: torch.Tensor | None  # [B, S] bool, True = padding; None if no padding
     suffix_lens: torch.Tensor  # [B] int64 on the host: each request's own part (>= 1)
 
-    @property
-    def shared_rows(self) -> int:
-        return self.num_groups * self.max_prefix
-
 
 def _common_prefix_len(rows: torch.Tensor, limit: int) -> int:
     """Length of the leading run of columns on which all `rows` agree, at most `limit`."""
@@ -126,20 +122,17 @@ def _build_plan(
     suffix_pad = None
     if int(suffix_lens.min()) < max_suffix:
         suffix_pad = offsets[None, :] >= suffix_lens[:, None]
-    def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
     return SharedPrefixPlan(
         num_groups=n,
         max_prefix=max_prefix,
         max_members=max_members,
-        prefix_slots=dev(prefix_slots),
-        prefix_pad=dev(prefix_pad),
-        member_rows=dev(member_rows.reshape(-1)),
-        member_slot=dev(member_slot),
+        prefix_slots=prefix_slots.to(device),
+        prefix_pad=None if prefix_pad is None else prefix_pad.to(device),
+        member_rows=member_rows.reshape(-1).to(device),
+        member_slot=member_slot.to(device),
         has_ungrouped=bool((member_slot == n * max_members).any()),
         max_suffix=max_suffix,
-        suffix_slots=dev(suffix_slots),
-        suffix_pad=dev(suffix_pad),
+        suffix_slots=suffix_slots.to(device),
+        suffix_pad=None if suffix_pad is None else suffix_pad.to(device),
         suffix_lens=suffix_lens,
     )

@@ -9,7 +9,8 @@ forward once per batch size and replays it with one launch.
   requests replays the graph of the smallest captured size >= n (`padded_batch_size`).
 - Static inputs (`StaticDecodeInputs`): one `[5, max_bs]` int64 block (input ids, positions,
   request rows, sequence lengths, KV slots); the graph of size bs reads columns [:bs]. A real
-  batch is copied into [:n]; columns [n:bs] get padding that cannot disturb real requests: token
+  batch's ForwardBatch (already on the device: `ForwardBatch.init_new` did every host->device
+  copy) is copied into [:n] on the device; columns [n:bs] get padding that cannot disturb real requests: token
   0 at position 0, request row 0 with sequence length 1 (it reads position 0 of that row, which
   always holds a valid slot id, and never writes the table), and KV slot 0, the pool's reserved
   padding slot, as the slot its K/V are stored to. Padding logits are sliced off.
@@ -40,9 +41,8 @@ import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
 from engine.errors import InvalidRequestError
-from engine.model_executor.forward_batch_info import ForwardBatch
-from engine.model_executor.host_transfer import host_to_device
-from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+from engine.layers.attention_triton import TritonAttnBackend
+from engine.model_executor.forward_batch_info import AttentionBackend, ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,13 @@ def cuda_graphs_apply(device: torch.device, attention_backend: str, disable_cuda
 
 
 def graph_memory_estimate(
-    max_bs: int, num_graphs: int, hidden: int, intermediate: int, q_size: int, kv_size: int, vocab: int,
+    max_bs: int,
+    num_graphs: int,
+    hidden: int,
+    intermediate: int,
+    q_size: int,
+    kv_size: int,
+    vocab: int,
     dtype_bytes: int,
 ) -> int:
     """Bytes to leave free for decode graphs when the KV pool is sized.
@@ -119,27 +125,19 @@ class StaticDecodeInputs:
         self.padding = pad.to(device)  # the padding values, copied into columns [n:bs]
         self.block = self.padding.clone()  # starts as all padding: valid to capture on
         b = self.block
-        self.input_ids, self.positions, self.req_pool_indices, self.seq_lens, self.out_cache_loc = (
-            b[_IDS], b[_POS], b[_ROWS], b[_LENS], b[_LOCS],
-        )  # fmt: skip
+        self.input_ids, self.positions, self.req_pool_indices = b[_IDS], b[_POS], b[_ROWS]
+        self.seq_lens, self.out_cache_loc = b[_LENS], b[_LOCS]
 
-    def load(self, n: int, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-             out_cache_loc: torch.Tensor, input_ids: torch.Tensor | None, last_token_ids: torch.Tensor) -> None:
-        """Columns [:n] <- the real batch (tensors on the buffers' device), [n:bs] <- padding.
-
-        `input_ids` None means decode under overlap: the ids are gathered from `last_token_ids`
-        by request row, straight into the static buffer.
-        """
+    def load(self, fb: ForwardBatch, bs: int) -> None:
+        """Columns [:n] <- the decode batch `fb` (tensors on the buffers' device), [n:bs] <- padding."""
+        n = fb.batch_size
         if not 1 <= n <= bs <= self.max_bs:
             raise ValueError(f"cannot load {n} requests into a graph of {bs} (max {self.max_bs})")
-        self.req_pool_indices[:n].copy_(req_pool_indices)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.out_cache_loc[:n].copy_(out_cache_loc)
-        if input_ids is None:
-            torch.index_select(last_token_ids, 0, self.req_pool_indices[:n], out=self.input_ids[:n])
-        else:
-            self.input_ids[:n].copy_(input_ids)
-        torch.sub(self.seq_lens[:n], 1, out=self.positions[:n])
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.seq_lens[:n].copy_(fb.seq_lens)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
         if bs > n:
             self.block[:, n:bs].copy_(self.padding[:, n:bs])
 
@@ -147,8 +145,16 @@ class StaticDecodeInputs:
 class DecodeGraphRunner:
     """Decode forwards over static buffers; captured as CUDA graphs by `capture()` (CUDA only)."""
 
-    def __init__(self, model: Callable[[ForwardBatch], torch.Tensor], attn_backend, req_to_token_pool: ReqToTokenPool,
-                 kv_cache: KVCache, vocab_size: int, max_bs: int, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Callable[[ForwardBatch], torch.Tensor],
+        attn_backend: AttentionBackend,
+        req_to_token_pool: ReqToTokenPool,
+        kv_cache: KVCache,
+        vocab_size: int,
+        max_bs: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.req_to_token_pool = req_to_token_pool
@@ -158,7 +164,7 @@ class DecodeGraphRunner:
         self.sizes = capture_batch_sizes(max_bs)
         self.inputs = StaticDecodeInputs(max_bs, self.device)
         self.logits = torch.zeros((max_bs, vocab_size), dtype=torch.float32, device=self.device)
-        if hasattr(attn_backend, "init_cuda_graph_state"):
+        if isinstance(attn_backend, TritonAttnBackend):  # fixed decode scratch (other backends: eager CPU tests)
             attn_backend.init_cuda_graph_state(max_bs, self.device)
         self.graphs: dict[int, object] = {}  # bs -> torch.cuda.CUDAGraph, filled by capture()
 
@@ -166,9 +172,9 @@ class DecodeGraphRunner:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def can_run(self, batch: ModelWorkerBatch) -> bool:
+    def can_run(self, fb: ForwardBatch) -> bool:
         """A decode batch that fits the largest captured size."""
-        return batch.forward_mode.is_decode() and 1 <= len(batch.seq_lens_cpu) <= self.max_bs
+        return fb.forward_mode.is_decode() and 1 <= fb.batch_size <= self.max_bs
 
     def run_static(self, bs: int, seq_lens_cpu: list[int]) -> None:
         """What a graph captures: metadata + model forward over columns [:bs]; logits -> self.logits[:bs].
@@ -178,30 +184,34 @@ class DecodeGraphRunner:
         """
         s = self.inputs
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=s.input_ids[:bs], positions=s.positions[:bs],
-            req_pool_indices=s.req_pool_indices[:bs], seq_lens=s.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu,
-            out_cache_loc=s.out_cache_loc[:bs], extend_seq_lens=[], extend_prefix_lens=[],
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_cache, attn_backend=self.attn_backend,
-        )  # fmt: skip
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=s.input_ids[:bs],
+            positions=s.positions[:bs],
+            req_pool_indices=s.req_pool_indices[:bs],
+            seq_lens=s.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=s.out_cache_loc[:bs],
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_cache,
+            attn_backend=self.attn_backend,
+        )
         self.attn_backend.init_forward_metadata(fb)
         self.logits[:bs].copy_(self.model(fb))
 
     @torch.inference_mode()
-    def replay(self, batch: ModelWorkerBatch, last_token_ids: torch.Tensor) -> torch.Tensor:
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [n, V] of a decode batch of n requests (a view, valid until the next replay)."""
-        n = len(batch.seq_lens_cpu)
+        n = fb.batch_size
         bs = padded_batch_size(n, self.sizes)
-        if bs is None or not batch.forward_mode.is_decode():
-            raise ValueError(f"DecodeGraphRunner cannot run a {batch.forward_mode.name} batch of {n}")
-        rows, lens, locs, ids = host_to_device(
-            [batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.input_ids], self.device
-        )
-        self.inputs.load(n, bs, rows, lens, locs, ids, last_token_ids)
+        if bs is None or not fb.forward_mode.is_decode():
+            raise ValueError(f"DecodeGraphRunner cannot run a {fb.forward_mode.name} batch of {n}")
+        self.inputs.load(fb, bs)
         graph = self.graphs.get(bs)
         if graph is not None:
             graph.replay()  # type: ignore[attr-defined]
         else:  # not captured (CPU, tests): the same function, run eagerly
-            self.run_static(bs, list(batch.seq_lens_cpu) + [1] * (bs - n))
+            self.run_static(bs, list(fb.seq_lens_cpu) + [1] * (bs - n))
         return self.logits[:n]
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ The scheduler imports these types downward; nothing here knows about requests or
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,14 +58,12 @@ class ModelWorkerBatch:
 class AttentionBackend(Protocol):
     """Attention over the paged KV pool, as the model sees it (one object serves every layer).
 
-    - `prepare(device)`: start-up work (build or load kernels) so no request pays for it;
-    - `init_forward_metadata(fb)`: once per forward, before the layers run: whatever index
-      tensors every layer shares (gather rows, masks, split-KV scratch);
+    Chosen once, when the model runner starts (engine/layers/attention_backend.py):
+    - `init_forward_metadata(fb)`: once per forward, before the layers run: the plan every layer
+      shares (gather rows, masks, split-KV scratch);
     - `forward(q, k, v, layer_id, fb)`: store the new tokens' K/V in the pool, attend, and return
       `[T, H*D]` for `q: [T, H, D]`, `k, v: [T, KVH, D]`.
     """
-
-    def prepare(self, device: torch.device) -> None: ...
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
 
@@ -75,42 +74,61 @@ class AttentionBackend(Protocol):
 
 @dataclass
 class ForwardBatch:
+    """One forward's tensors on the model's device, plus the host-side lengths the backends need.
+
+    `init_new` is the one place a forward's host-built tensors move to the device: on CUDA in one
+    pinned, non-blocking copy per dtype (host_transfer.py); on a CPU they stay what they are.
+    """
+
     forward_mode: ForwardMode
     batch_size: int
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     req_pool_indices: torch.Tensor  # [B]
-    seq_lens: torch.Tensor  # [B] lengths after this forward
+    seq_lens: torch.Tensor  # [B] int64, lengths after this forward
     seq_lens_cpu: list[int]
     out_cache_loc: torch.Tensor  # [num_tokens] KV slots this forward writes
-    extend_seq_lens: list[int]
-    extend_prefix_lens: list[int]
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: KVCache
     attn_backend: AttentionBackend
+    # Extend only: new and cached tokens per request and where each request's new tokens start in
+    # the flattened batch ([B] int64 on the device), and the same lengths on the host.
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     return_prompt_logits: bool = False
 
     @classmethod
     def init_new(
         cls,
         batch: ModelWorkerBatch,
-        input_ids: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool: KVCache,
         attn_backend: AttentionBackend,
+        last_token_ids: torch.Tensor | None = None,
     ) -> ForwardBatch:
+        """The device view of `batch`. A decode batch without input ids (overlap scheduling) reads
+        them from `last_token_ids[req_pool_indices]`, on the device. The caller then runs
+        `attn_backend.init_forward_metadata` (or a graph replay that does it)."""
         device = token_to_kv_pool.device
+        extend_host = None
         if batch.forward_mode.is_extend():
-            positions = torch.cat(
-                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens)]
-            )
+            ext, prefix = batch.extend_seq_lens, batch.extend_prefix_lens
+            positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, ext)])
+            extend_host = torch.tensor([ext, prefix, [0, *itertools.accumulate(ext)][:-1]], dtype=torch.int64)
         else:
             positions = batch.seq_lens - 1
-        # On CUDA the host-built ones travel in one pinned, non-blocking copy (host_transfer.py).
-        input_ids, positions, req_pool_indices, seq_lens, out_cache_loc = host_to_device(
-            [input_ids, positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc], device
+        input_ids, positions, req_pool_indices, seq_lens, out_cache_loc, extend = host_to_device(
+            [batch.input_ids, positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, extend_host],
+            device,
         )
-        fb = cls(
+        if input_ids is None:  # decode under overlap: last sampled ids, gathered on the device
+            if last_token_ids is None:
+                raise ValueError("a batch without input_ids needs last_token_ids")
+            input_ids = last_token_ids[req_pool_indices]
+        return cls(
             forward_mode=batch.forward_mode,
             batch_size=len(batch.seq_lens_cpu),
             input_ids=input_ids,
@@ -119,12 +137,13 @@ class ForwardBatch:
             seq_lens=seq_lens,
             seq_lens_cpu=batch.seq_lens_cpu,
             out_cache_loc=out_cache_loc,
-            extend_seq_lens=batch.extend_seq_lens,
-            extend_prefix_lens=batch.extend_prefix_lens,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
+            extend_seq_lens=None if extend is None else extend[0],
+            extend_prefix_lens=None if extend is None else extend[1],
+            extend_start_loc=None if extend is None else extend[2],
+            extend_seq_lens_cpu=batch.extend_seq_lens,
+            extend_prefix_lens_cpu=batch.extend_prefix_lens,
             return_prompt_logits=batch.return_prompt_logits,
         )
-        attn_backend.init_forward_metadata(fb)
-        return fb

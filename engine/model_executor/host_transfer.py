@@ -7,7 +7,8 @@ from page-locked (pinned) memory with `non_blocking=True` only enqueues the copy
 stream, behind the work already there, and returns at once.
 
 - `host_to_device(tensors, device)`: CPU tensors of one dtype are packed into one pinned buffer
-  and moved with one non-blocking copy; each caller gets a device view of its rows. Tensors
+  and moved with one non-blocking copy; each caller gets a device view of its rows. A forward's
+  inputs all go through one call, in `ForwardBatch.init_new`. Tensors
   already on the device pass through. On a CPU device nothing happens at all (CPU runs unchanged).
 - `DeviceToHost.start(t)`: the reverse for the sampled ids: a non-blocking copy into pinned memory
   plus an event; `result()` waits on that event only (not on the whole device) before the host
@@ -59,7 +60,7 @@ class DeviceToHost:
     from any thread later. On CPU tensors it is a plain reference and `result()` returns it.
     """
 
-    __slots__ = ("_host", "_event")
+    __slots__ = ("_event", "_host")
 
     def __init__(self, host: torch.Tensor, event: object | None) -> None:
         self._host = host

@@ -1,32 +1,45 @@
 """ModelRunner: owns the model, the KV memory and the sampler; runs one forward at a time.
 
 It is the only code that touches model tensors. The scheduler hands it `ModelWorkerBatch`es;
-it builds the `ForwardBatch`, runs the model, samples, and records each request's sampled id in
-`last_token_ids[req_pool_idx]` so a decode batch planned before the previous results were read
-(overlap scheduling) can gather its inputs on the device.
+it builds the `ForwardBatch` (the one place a forward's host tensors move to the device), runs
+the model, samples, and records each request's sampled id in `last_token_ids[req_pool_idx]` so a
+decode batch planned before the previous results were read (overlap scheduling) can gather its
+inputs on the device.
+
+Everything that depends on the machine is decided here, once, at start-up: the attention backend
+(engine/layers/attention_backend.py), each layer's implementation (the model is built for its
+device and dtype), the linear forms after loading, including up to how many rows the int4 path
+runs (measured unless `q4_max_tokens` is given), and the decode CUDA graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import psutil
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
 from engine.errors import ModelLoadError
-from engine.model_executor.cuda_graph_runner import (
-    DecodeGraphRunner, capture_batch_sizes, cuda_graphs_apply, graph_memory_estimate, resolve_cuda_graph_max_bs,
-)  # fmt: skip
-from engine.model_executor.forward_batch_info import ForwardBatch
-from engine.model_executor.host_transfer import DeviceToHost, host_to_device
-from engine.layers.attention_backend import create_attention_backend, resolve_attention_backend
+from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
+from engine.layers.attention_ops import HeadLayout
+from engine.layers.int4 import int4_kernel_available
 from engine.model_config import ModelConfig
-from engine.models.llama import MODEL_CLASSES
+from engine.model_executor.cuda_graph_runner import (
+    DecodeGraphRunner,
+    capture_batch_sizes,
+    cuda_graphs_apply,
+    graph_memory_estimate,
+    resolve_cuda_graph_max_bs,
+)
+from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+from engine.model_executor.host_transfer import DeviceToHost
+from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
-from engine.model_executor.forward_batch_info import ModelWorkerBatch
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -48,55 +61,75 @@ class GenerationBatchResult:
         return self.next_token_ids.tolist()
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with the forward thread's torch thread count (measurements must see it)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, source: ModelSource | None = None) -> None:
         self.args = args
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
-        # Checked before anything is loaded: an unusable backend is a typed error at start-up.
-        self.attn_backend_name = resolve_attention_backend(args.attention_backend, self.device)
-        self.use_cuda_graph = cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
+        # Checked before anything is loaded: an unusable option is a typed error at start-up.
+        check_attention_backend(args.attention_backend, self.device)
         self.cuda_graph_max_bs = resolve_cuda_graph_max_bs(args.cuda_graph_max_bs, args.max_running_requests)
+        q4_max_tokens = args.resolved_q4_max_tokens()
         self.source = source or resolve_model(args.model_path)
-        self.model_config = cfg = ModelConfig.from_hf(self.source.hf_config, self.source.architecture, self.source.generation_eos)
-        self.context_len = args.context_length or cfg.context_len
-        self.model = self._load_model()
-        self._init_memory()
-        self.attn_backend = create_attention_backend(
-            self.attn_backend_name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
-            cascade=not args.disable_cascade_attention,
+        self.model_config = cfg = ModelConfig.from_hf(
+            self.source.hf_config, self.source.architecture, self.source.generation_eos
         )
-        self.attn_backend.prepare(self.device)
+        self.context_len = args.context_length or cfg.context_len
+        self.attn_backend_name = resolve_attention_backend(
+            args.attention_backend, self.device, self.dtype, cfg.head_dim
+        )
+        self.use_cuda_graph = cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
+        self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
+        self._init_memory()
+        layout = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        # Cascade planning is host work on the slot table: CPU pools only (no device round trip).
+        cascade = not args.disable_cascade_attention and self.device.type == "cpu"
+        self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)
+        log.info("attention backend: %s", self.attn_backend_name)
         self.sampler = Sampler()
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()
 
-    def _load_model(self):
+    def _load_model(self, q4_max_tokens: int | None) -> tuple[LlamaForCausalLM, int]:
+        """Build the model for this device and dtype, load it, and give each projection its form.
+
+        `q4_max_tokens`: 0 = no int4 path, None = measure the crossover, n = up to n rows.
+        Returns the model and the int4 path's row bound in force (0: off).
+        """
         cfg = self.model_config
-        model = MODEL_CLASSES[cfg.architecture](cfg, self.source.hf_config, self.device)
-        q4_rows = self.args.resolved_q4_max_tokens()
+        model = MODEL_CLASSES[cfg.architecture](cfg, self.source.hf_config, self.device, self.dtype).eval()
+        want_q4 = q4_max_tokens != 0 and int4_kernel_available()
         try:
-            if q4_rows > 0:  # the dense weights plus, for 4-bit GGUF layers, their packed form
-                model.load_weights(self.source.iter_weights_q4(), q4_max_rows=q4_rows)
+            if want_q4:  # the dense weights plus, for 4-bit GGUF layers, their blocks
+                q4 = model.load_weights(self.source.iter_weights_q4())
             else:
-                model.load_weights(self.source.iter_weights())
+                q4 = model.load_weights((name, t, None) for name, t in self.source.iter_weights())
         except ModelLoadError:
             raise
         except Exception as e:  # a weight file that breaks in an unforeseen way still gets named
             raise ModelLoadError(f"failed to load weights from {self.source.path}: {e}") from e
-        if q4_rows > 0:
-            n_packed = sum(getattr(layer, f"{a}_q4") is not None for layer in model.layers
-                           for a in ("qkv", "o", "gate_up", "down"))  # fmt: skip
-            log.info("int4 kernel for inputs of <= %d rows: %d of %d layer weights packed", q4_rows, n_packed,
-                     4 * len(model.layers))  # fmt: skip
-        # .to() leaves the packed weights alone: they are plain attributes, uint8 codes and bf16 scales.
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        if n := model.prepack_onednn():
-            log.info("oneDNN: %d dense weights prepacked", n)
-        if model.use_fused_cpu_ops():
+        with _torch_threads(self.args.torch_threads):
+            q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
+        if q4:
+            how = "measured" if q4_max_tokens is None else "set"
+            packed = f"{len(q4)} of {4 * cfg.num_layers} layer weights packed"
+            log.info("int4 kernel for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
+        if model.fused:
             log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")
-        return model
+        return model, q4_rows
 
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args
@@ -121,60 +154,65 @@ class ModelRunner:
             return 0
         cfg, bs = self.model_config, self.cuda_graph_max_bs
         return graph_memory_estimate(
-            bs, len(capture_batch_sizes(bs)), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, torch.empty((), dtype=self.dtype).element_size(),
-        )  # fmt: skip
+            bs,
+            len(capture_batch_sizes(bs)),
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.vocab_size,
+            torch.empty((), dtype=self.dtype).element_size(),
+        )
 
     def _init_cuda_graphs(self) -> DecodeGraphRunner | None:
         """Capture the decode graphs (CUDA + triton backend + not disabled), after the KV pool exists."""
         if not self.use_cuda_graph:
             return None
-        runner = DecodeGraphRunner(self.model, self.attn_backend, self.req_to_token_pool, self.kv_cache,
-                                   self.model_config.vocab_size, self.cuda_graph_max_bs, self.device)  # fmt: skip
+        runner = DecodeGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.req_to_token_pool,
+            self.kv_cache,
+            self.model_config.vocab_size,
+            self.cuda_graph_max_bs,
+            self.device,
+        )
         before = torch.cuda.mem_get_info(self.device)[0]
         runner.capture()
         used = before - torch.cuda.mem_get_info(self.device)[0]
-        log.info("decode CUDA graphs: %.1f MiB used (reserved %.1f MiB)", used / 2**20,
-                 self._graph_memory_reserve() / 2**20)  # fmt: skip
+        reserved = self._graph_memory_reserve()
+        log.info("decode CUDA graphs: %.1f MiB used (reserved %.1f MiB)", used / 2**20, reserved / 2**20)
         return runner
 
-    def _inputs_to_device(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
-        """The batch with its host-built index tensors on the device, in one pinned non-blocking
-        copy per dtype on CUDA (engine/host_transfer.py); unchanged on CPU."""
-        if self.device.type != "cuda":
-            return batch
-        ids, rows, lens, locs = host_to_device(
-            [batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc], self.device
+    def init_forward_batch(self, batch: ModelWorkerBatch) -> ForwardBatch:
+        """`batch` on the device (`ForwardBatch.init_new`), before any attention metadata."""
+        return ForwardBatch.init_new(
+            batch, self.req_to_token_pool, self.kv_cache, self.attn_backend, self.last_token_ids
         )
-        return replace(batch, input_ids=ids, req_pool_indices=rows, seq_lens=lens, out_cache_loc=locs)
 
-    def _run_forward(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, bool]:
+    def _run_forward(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, bool, ForwardBatch]:
         """(logits, whether they are a view of the graph runner's static buffer, overwritten by the
-        next replay). Decode batches that fit replay a CUDA graph; everything else runs eagerly."""
-        batch = self._inputs_to_device(batch)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch, self.last_token_ids), True
-        input_ids = batch.input_ids
-        if input_ids is None:  # decode under overlap: last sampled ids, gathered on the device
-            input_ids = self.last_token_ids[batch.req_pool_indices.to(self.device)]
-        fb = ForwardBatch.init_new(batch, input_ids, self.req_to_token_pool, self.kv_cache, self.attn_backend)
-        return self.model(fb), False
+        next replay, the ForwardBatch). Decode batches that fit replay a CUDA graph; everything
+        else runs eagerly."""
+        fb = self.init_forward_batch(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb), True, fb
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb), False, fb
 
     def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
         """Logits of one forward, in a tensor of their own (safe to keep across steps)."""
-        logits, shared = self._run_forward(batch)
+        logits, shared, _ = self._run_forward(batch)
         return logits.clone() if shared else logits
 
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        batch = self._inputs_to_device(batch)
-        logits, shared = self._run_forward(batch)
+        logits, shared, fb = self._run_forward(batch)
         last_logits = logits
-        if batch.return_prompt_logits and batch.forward_mode.is_extend():
-            last = torch.tensor(batch.extend_seq_lens, device=logits.device).cumsum(0) - 1
-            last_logits = logits[last]
+        if batch.return_prompt_logits and fb.extend_start_loc is not None and fb.extend_seq_lens is not None:
+            last_logits = logits[fb.extend_start_loc + fb.extend_seq_lens - 1]
         out = self.sampler(last_logits, batch.sampling_info)
-        self.last_token_ids[batch.req_pool_indices.to(self.device)] = out.next_token_ids
+        self.last_token_ids[fb.req_pool_indices] = out.next_token_ids
         kept = None
         if batch.return_prompt_logits:
             kept = logits.clone() if shared else logits

@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from engine.errors import ModelLoadError
-from engine.layers.quant_linear import Q4Blocks
+from engine.layers.int4 import Q4Blocks
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 stored counts in 32 bits and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -81,9 +81,6 @@ class GGUFIndex:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
-
-    def has_tensor(self, name: str) -> bool:
-        return any(t.name == name for t in self.tensors)
 
 
 class _Truncated(Exception):

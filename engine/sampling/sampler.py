@@ -57,7 +57,7 @@ def _xor_shift_right_(z: Tensor, shift: int, scratch: Tensor) -> None:
     z.bitwise_xor_(scratch)
 
 
-def _mix64_(z: Tensor) -> Tensor:
+def mix64_(z: Tensor) -> Tensor:
     """splitmix64's finaliser, in place on an int64 tensor.
 
     It is a bijection on 64-bit words with full avalanche. int64 multiplication in torch wraps
@@ -81,12 +81,12 @@ def counter_uniforms(seeds: Tensor, steps: Tensor, num_tokens: int) -> Tensor:
     in float32 (24-bit significand; 24 bits plus the half would round k = 2**24-1 up to 1.0),
     so 0 and 1 never occur and -log(u) is always finite and positive.
     """
-    key = _mix64_(seeds.to(torch.int64).clone())
+    key = mix64_(seeds.to(torch.int64).clone())
     key.add_(steps.to(torch.int64))
-    _mix64_(key)
+    mix64_(key)
     stream = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=seeds.device)
     stream.mul_(_GOLDEN_GAMMA)
-    z = _mix64_(key[:, None] + stream[None, :])
+    z = mix64_(key[:, None] + stream[None, :])
     z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
     return z.to(torch.float32).add_(0.5).mul_(2.0**-23)
 
@@ -96,9 +96,7 @@ def counter_uniforms(seeds: Tensor, steps: Tensor, num_tokens: int) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _flat_token_index(
-    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device
-) -> Tensor | None:
+def _flat_token_index(rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device) -> Tensor | None:
     """Flat indices row * vocab_size + token for every token of every row (None if none).
 
     Each row is given as a few segments (e.g. prompt ids and output ids) so nothing is copied
@@ -254,9 +252,7 @@ class SamplingBatchInfo:
             sample_indices=sample_indices,
         )
         if use_freq_presence or use_repetition:
-            info._build_penalties(
-                params, output_ids, input_ids, use_freq_presence, use_repetition, device
-            )
+            info._build_penalties(params, output_ids, input_ids, use_freq_presence, use_repetition, device)
         if banned:
             info.banned_token_index = torch.tensor(banned, dtype=torch.int64, device=device)
         if return_logprob is not None:
@@ -303,8 +299,7 @@ class SamplingBatchInfo:
                 [p.repetition_penalty for p in params], dtype=torch.float32, device=device
             ).unsqueeze(1)
             seen_rows = [
-                (inp, out) if p.repetition_penalty != 1.0 else nothing
-                for p, inp, out in zip(params, inputs, outputs)
+                (inp, out) if p.repetition_penalty != 1.0 else nothing for p, inp, out in zip(params, inputs, outputs)
             ]
             seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
             index = _flat_token_index(seen_rows, vocab, device)
@@ -436,9 +431,7 @@ class Sampler:
         return probs.div_(exponentials).argmax(dim=-1)
 
     @staticmethod
-    def _with_logprobs(
-        next_ids: Tensor, raw_logprobs: Tensor | None, info: SamplingBatchInfo
-    ) -> SamplerOutput:
+    def _with_logprobs(next_ids: Tensor, raw_logprobs: Tensor | None, info: SamplingBatchInfo) -> SamplerOutput:
         if raw_logprobs is None:
             return SamplerOutput(next_token_ids=next_ids)
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)

@@ -68,6 +68,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         """True when this request decodes by argmax (no randomness at all)."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's previous tokens (frequency/presence/repetition)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
     @property
     def stop_strs(self) -> list[str]:
         """The stop strings as a list, whatever form `stop` was given in.
@@ -106,9 +110,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-                raise InvalidRequestError(
-                    f"{name} must be a finite number, got {value!r}", param=name
-                )
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -118,14 +120,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         stop = self.stop
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise InvalidRequestError(
-                    f"stop must be a string or a list of strings, got {stop!r}", param="stop"
-                )
+                raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
-            raise InvalidRequestError(
-                f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids"
-            )
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")
 
     def _verify_ranges(self) -> None:
         def fail(name: str, rule: str) -> None:

@@ -1,9 +1,10 @@
-"""Scheduler-side batch structures: `Req`, `ScheduleBatch`, `ModelWorkerBatch` (seed 000).
+"""Scheduler-side batch structures: `Req` and `ScheduleBatch` (seed 000).
 
 Layering, as in SGLang: `ScheduleBatch` knows requests, pools and the prefix cache (scheduler
-concerns); `ModelWorkerBatch` is the slice of it the model worker needs (tensors, lengths,
-sampling info); `ForwardBatch` (engine/forward_batch.py) adds device-side derived tensors for the
-model. Each layer carries only what the next one needs.
+concerns); it hands the model worker a `ModelWorkerBatch` (the tensors, lengths and sampling info
+one forward needs), from which the model runner builds the device-side `ForwardBatch` (both in
+engine/model_executor/forward_batch_info.py). Each layer carries only what the next one needs,
+and the types are imported downward: the model side knows nothing of requests.
 
 Memory discipline: `prepare_for_extend` / `prepare_for_decode` either allocate everything the
 batch needs or nothing, and report failure by returning False so the scheduler can evict, retract
@@ -14,16 +15,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.cache.radix_cache import BasePrefixCache
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from engine.sampling import SamplingBatchInfo, SamplingParams
-
-if TYPE_CHECKING:
-    from engine.cache.radix_cache import BasePrefixCache
 
 
 class FinishReason(enum.Enum):
@@ -43,12 +42,27 @@ class Req:
     """One request's mutable state, owned by the scheduler side."""
 
     __slots__ = (
-        "rid", "origin_input_ids", "sampling_params", "output_ids", "fill_ids", "prefix_indices",
-        "extend_input_len", "req_pool_idx", "finished_reason", "seed", "eos_token_ids",
-        "return_logprob", "top_logprobs_num", "output_logprobs", "output_top_logprobs",
-        "last_node", "cached_tokens", "is_chunked", "kv_committed_len", "max_context_len",
+        "cached_tokens",
+        "eos_token_ids",
+        "epoch",
+        "extend_input_len",
+        "fill_ids",
+        "finished_reason",
+        "is_chunked",
+        "kv_committed_len",
+        "last_node",
+        "max_context_len",
+        "origin_input_ids",
+        "output_ids",
+        "prefix_indices",
+        "req_pool_idx",
+        "return_logprob",
+        "rid",
+        "sampling_params",
+        "seed",
         "stop_token_ids",
-    )  # fmt: skip
+        "top_logprobs_num",
+    )
 
     def __init__(
         self,
@@ -77,12 +91,12 @@ class Req:
         self.max_context_len = max_context_len
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
-        self.output_logprobs: list[float] = []
-        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.last_node: Any = None  # radix tree node holding this request's cached prefix
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first round)
         self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
         self.kv_committed_len = 0  # tokens whose KV sits in the pool for this request
+        # Times this request was retracted: a result computed for an older epoch is dropped.
+        self.epoch = 0
 
     @property
     def seqlen(self) -> int:
@@ -246,9 +260,13 @@ class ScheduleBatch:
         for req in self.reqs:
             req.kv_committed_len += 1
         self.decode_inputs_on_device = inputs_on_device
-        self.input_ids = None if inputs_on_device else torch.tensor(
-            [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs],
-            dtype=torch.int64,
+        self.input_ids = (
+            None
+            if inputs_on_device
+            else torch.tensor(
+                [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs],
+                dtype=torch.int64,
+            )
         )
         self.out_cache_loc = slots
         self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
@@ -290,7 +308,7 @@ class ScheduleBatch:
         # Tokens generated before the one this forward samples. Derived from the KV length, not
         # from output_ids, because under overlap output_ids lags one step behind.
         steps = [r.kv_committed_len - len(r.origin_input_ids) for r in reqs]
-        need_history = any(_has_penalties(r.sampling_params) for r in reqs)
+        need_history = any(r.sampling_params.has_penalties() for r in reqs)
         sampling_info = SamplingBatchInfo.from_requests(
             params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
@@ -299,6 +317,7 @@ class ScheduleBatch:
             input_ids=[r.origin_input_ids for r in reqs] if need_history else None,
             vocab_size=self.vocab_size,
             device=self.device,
+            eos_token_ids=sorted(reqs[0].eos_token_ids) if reqs else None,  # min_new_tokens bans EOS
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
         )
@@ -314,7 +333,3 @@ class ScheduleBatch:
             sampling_info=sampling_info,
             return_prompt_logits=return_prompt_logits,
         )
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0

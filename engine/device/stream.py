@@ -21,30 +21,26 @@ learns about it (a worker, a CUDA host callback, a waiter), so the loop is woken
 launch and never polls. `launch` must be called from inside a running event loop; the handle
 belongs to that loop.
 
-This module holds the interface and the CPU stream; `CudaDeviceStream` lives in cuda_stream.py.
-Nothing touches CUDA or CuPy at import time: both modules import on CPU-only machines, and every
-GPU use is guarded when a CUDA stream is built.
+This module holds the interface and the completion path both streams share; `CpuDeviceStream`
+lives in cpu_stream.py, `CudaDeviceStream` in cuda_stream.py, and `make_device_stream` (in this
+package's `__init__`) picks one. Nothing touches CUDA or CuPy at import time: every module imports
+on CPU-only machines, and every GPU use is guarded when a CUDA stream is built.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import collections
 import logging
-import queue
-import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, ParamSpec, TypeVar
-
-import torch
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
-__all__ = ["CpuDeviceStream", "DeviceHandle", "DeviceStream", "make_device_stream"]
+__all__ = ["Completion", "DeviceHandle", "DeviceStream", "check_threads", "running_loop"]
 
 
 class DeviceHandle(Generic[T]):
@@ -120,7 +116,7 @@ class DeviceStream(abc.ABC):
 # ---- completion delivery (shared by both streams) ----------------------------------------------
 
 
-class _Completion:
+class Completion:
     """One launch's outcome on its way to the event loop.
 
     `keepalive` holds whatever the device may still read or write (fn, its args, the event) so it
@@ -129,7 +125,7 @@ class _Completion:
     which is all a CUDA host callback is allowed to do.
     """
 
-    __slots__ = ("loop", "future", "ok", "value", "keepalive", "on_settle", "arrived")
+    __slots__ = ("arrived", "future", "keepalive", "loop", "ok", "on_settle", "value")
 
     def __init__(
         self,
@@ -138,7 +134,7 @@ class _Completion:
         ok: bool,
         value: Any,
         keepalive: object = None,
-        on_settle: Callable[[_Completion], None] | None = None,
+        on_settle: Callable[[Completion], None] | None = None,
     ) -> None:
         self.loop = loop
         self.future = future
@@ -174,119 +170,14 @@ class _Completion:
             future.set_exception(value)
 
 
-def _check_threads(torch_threads: int | None) -> int | None:
+def check_threads(torch_threads: int | None) -> int | None:
     # Validated up front: a bad value would otherwise fail inside a worker, where no one sees it.
     if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
         raise ValueError(f"torch_threads must be a positive int or None, got {torch_threads!r}")
     return torch_threads
 
 
-# ---- CPU ---------------------------------------------------------------------------------------
-
-
-class _Job:
-    __slots__ = ("loop", "future", "fn", "args", "kwargs")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], fn: Callable[..., Any],
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.loop, self.future, self.fn, self.args, self.kwargs = loop, future, fn, args, kwargs
-
-
-class _Stop:
-    """Queue sentinel; `aclose` passes a future to learn, without blocking, that the queue drained."""
-
-    __slots__ = ("loop", "future")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, future: asyncio.Future[None] | None = None):
-        self.loop, self.future = loop, future
-
-
-class CpuDeviceStream(DeviceStream):
-    """Runs launched functions, in order, on one dedicated worker thread.
-
-    Torch releases the GIL inside its ops, so while the worker computes a forward pass the event
-    loop keeps scheduling. One thread (not a pool) gives FIFO order and one-at-a-time execution
-    for free, like a device queue.
-
-    `torch_threads`, when given, is applied with `torch.set_num_threads` inside the worker thread:
-    the intra-op thread count is per calling thread, so setting it on the main thread would not
-    bind the worker. With None the worker keeps torch's default for a new thread.
-    """
-
-    def __init__(self, torch_threads: int | None = None, *, name: str = "device-stream") -> None:
-        self._torch_threads = _check_threads(torch_threads)
-        self._queue: queue.SimpleQueue[_Job | _Stop] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders launch vs close: nothing may queue behind _Stop
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def launch(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> DeviceHandle[T]:
-        loop = _running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("launch on a closed DeviceStream")
-            self._queue.put(_Job(loop, future, fn, args, kwargs))
-        return DeviceHandle(future)
-
-    def close(self) -> None:
-        self._request_stop(_Stop())
-        if threading.current_thread() is not self._thread:  # fn closing its own stream must not self-join
-            self._thread.join()
-
-    async def aclose(self) -> None:
-        loop = asyncio.get_running_loop()
-        drained: asyncio.Future[None] = loop.create_future()
-        if self._request_stop(_Stop(loop, drained)):
-            await drained  # resolved after every earlier completion was queued to the loop
-            self._thread.join()  # the worker is already returning: this does not block the loop
-        elif self._thread.is_alive():  # someone else is closing: wait without blocking the loop
-            await asyncio.to_thread(self._thread.join)
-
-    def _request_stop(self, stop: _Stop) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
-            self._queue.put(stop)
-            return True
-
-    def _run(self) -> None:
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
-        while True:
-            job = self._queue.get()
-            if isinstance(job, _Stop):
-                if job.loop is not None and job.future is not None:
-                    _Completion(job.loop, job.future, True, None).deliver()
-                return
-            try:
-                value, ok = job.fn(*job.args, **job.kwargs), True
-            except BaseException as exc:  # noqa: BLE001 - a worker has no caller to re-raise to
-                value, ok = exc, False
-            _Completion(job.loop, job.future, ok, value).deliver()
-            del job, value  # drop the job's tensors now, not when the next job arrives
-
-
-# ---- selection ---------------------------------------------------------------------------------
-
-
-def make_device_stream(device: torch.device | str, torch_threads: int | None = None) -> DeviceStream:
-    """The stream for `device`: CUDA streams for cuda devices, the CPU worker for anything else.
-
-    Raises RuntimeError for a cuda device when CUDA is not usable, rather than silently running
-    on the CPU.
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        from engine.cuda_stream import CudaDeviceStream  # its module imports this one
-
-        return CudaDeviceStream(dev, torch_threads)
-    return CpuDeviceStream(torch_threads)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop:
+def running_loop() -> asyncio.AbstractEventLoop:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:

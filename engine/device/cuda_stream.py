@@ -1,6 +1,6 @@
 """CUDA device stream: launches on a dedicated CUDA stream, completions through CUDA host callbacks.
 
-The `DeviceStream` contract (device_stream.py) on a GPU: `launch` enqueues the forward on its own
+The `DeviceStream` contract (stream.py) on a GPU: `launch` enqueues the forward on its own
 stream from a launcher thread and returns at once; the stream reaches a host callback (CuPy's
 `launch_host_func` on the same stream) when the work is done, which hands the result to the event
 loop. Without CuPy, a waiter thread synchronizes on a CUDA event per launch instead. Nothing here
@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from engine.device_stream import DeviceHandle, DeviceStream, _check_threads, _Completion, _running_loop
+from engine.device.stream import Completion, DeviceHandle, DeviceStream, check_threads, running_loop
 
 __all__ = ["CudaDeviceStream"]
 
@@ -30,15 +30,15 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-class _Synchronizable(Protocol):
+class Synchronizable(Protocol):
     def synchronize(self) -> None: ...
 
 
-class _HostFuncStream(Protocol):
+class HostFuncStream(Protocol):
     def launch_host_func(self, callback: Callable[[Any], None], arg: Any) -> None: ...
 
 
-def _host_callback(completion: _Completion) -> None:
+def host_callback(completion: Completion) -> None:
     """Runs on a CUDA-internal thread when the stream reaches it.
 
     CUDA forbids CUDA API calls here, and an exception has nowhere to go, so it only hands the
@@ -46,11 +46,11 @@ def _host_callback(completion: _Completion) -> None:
     """
     try:
         completion.deliver()
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         log.exception("device stream host callback failed")
 
 
-def _cupy_host_stream(stream_ptr: int, device_index: int) -> _HostFuncStream | None:
+def cupy_host_stream(stream_ptr: int, device_index: int) -> HostFuncStream | None:
     """A CuPy view of the torch stream for `launch_host_func`, or None when CuPy cannot serve.
 
     CuPy is optional at run time: a missing wheel, a CUDA runtime the driver does not support, or
@@ -64,12 +64,12 @@ def _cupy_host_stream(stream_ptr: int, device_index: int) -> _HostFuncStream | N
         with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but still works
             warnings.simplefilter("ignore", DeprecationWarning)
             return cupy.cuda.ExternalStream(stream_ptr, device_index)
-    except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback"
+    except Exception as exc:
         log.info("CuPy host callbacks unavailable (%s); using an event-waiter thread", exc)
         return None
 
 
-class _EventWaiter:
+class EventWaiter:
     """Fallback completion path: one thread blocks on each event, in launch order, then delivers.
 
     A blocking-sync event puts the thread to sleep in the driver rather than spinning a core. A
@@ -78,11 +78,11 @@ class _EventWaiter:
     """
 
     def __init__(self, device_index: int | None, name: str = "device-stream-waiter") -> None:
-        self._queue: queue.SimpleQueue[tuple[_Synchronizable, _Completion] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Synchronizable, Completion] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(device_index,), name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, event: _Synchronizable, completion: _Completion) -> None:
+    def submit(self, event: Synchronizable, completion: Completion) -> None:
         self._queue.put((event, completion))
 
     def close(self) -> None:
@@ -97,7 +97,7 @@ class _EventWaiter:
             event, completion = item
             try:
                 event.synchronize()
-            except Exception as exc:  # noqa: BLE001 - surfaced through the handle
+            except Exception as exc:
                 completion.ok, completion.value = False, exc
             completion.deliver()
             del item, event, completion
@@ -139,14 +139,14 @@ class CudaDeviceStream(DeviceStream):
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self._torch_threads = _check_threads(torch_threads)
+        self._torch_threads = check_threads(torch_threads)
         self.stream = torch.cuda.Stream(device=dev)
-        self._host_stream = _cupy_host_stream(self.stream.cuda_stream, dev.index)
-        self._waiter: _EventWaiter | None = None
+        self._host_stream = cupy_host_stream(self.stream.cuda_stream, dev.index)
+        self._waiter: EventWaiter | None = None
         # Launch-ordered completions not resolved yet. Two delivery paths can be live at once (host
         # callbacks up to a failure, the waiter after it), so resolution is ordered here, on the
         # loop, rather than trusted to whichever thread delivers first.
-        self._inflight: collections.deque[_Completion] = collections.deque()
+        self._inflight: collections.deque[Completion] = collections.deque()
         self._closed = False  # no new launches
         self._released = False  # threads joined
 
@@ -156,7 +156,7 @@ class CudaDeviceStream(DeviceStream):
         return self._host_stream is not None
 
     def launch(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> DeviceHandle[T]:
-        loop = _running_loop()
+        loop = running_loop()
         if self._closed:
             raise RuntimeError("launch on a closed DeviceStream")
         if self._torch_threads is not None and torch.get_num_threads() != self._torch_threads:
@@ -169,7 +169,7 @@ class CudaDeviceStream(DeviceStream):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 value, ok = fn(*args, **kwargs), True
-        except Exception as exc:  # noqa: BLE001 - delivered through the handle, in order
+        except Exception as exc:
             value, ok = exc, False
         self._notify_when_reached(loop, future, ok, value, (fn, args, kwargs))
         return DeviceHandle(future)
@@ -196,24 +196,25 @@ class CudaDeviceStream(DeviceStream):
         await drained  # in-order delivery: every earlier handle is done now
         self.close()  # the stream is idle, so this does not block the loop
 
-    def _notify_when_reached(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any],
-                             ok: bool, value: Any, keepalive: object) -> None:
+    def _notify_when_reached(
+        self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, value: Any, keepalive: object
+    ) -> None:
         event = torch.cuda.Event(blocking=True)
         event.record(self.stream)
-        completion = _Completion(loop, future, ok, value, (keepalive, event), self._arrived)
+        completion = Completion(loop, future, ok, value, (keepalive, event), self._arrived)
         self._inflight.append(completion)
         if self._host_stream is not None:
             try:
-                self._host_stream.launch_host_func(_host_callback, completion)
+                self._host_stream.launch_host_func(host_callback, completion)
                 return
-            except Exception as exc:  # noqa: BLE001 - fall back for this and all later launches
+            except Exception as exc:
                 log.warning("CuPy launch_host_func failed (%s); using an event-waiter thread", exc)
                 self._host_stream = None
         if self._waiter is None:
-            self._waiter = _EventWaiter(self.device.index)
+            self._waiter = EventWaiter(self.device.index)
         self._waiter.submit(event, completion)
 
-    def _arrived(self, completion: _Completion) -> None:
+    def _arrived(self, completion: Completion) -> None:
         """A completion reached the loop: resolve it and every later one already here, in order."""
         completion.arrived = True
         inflight = self._inflight

@@ -1,14 +1,24 @@
-"""The scheduler's state machine: what runs next, memory, retraction, results (seeds 001, 004).
+"""The scheduler's state machine: memory, the running batch, retraction, results (seeds 001, 004).
 
-`Scheduler` is plain synchronous logic owned by one actor (`OverlapScheduler` in
-scheduler_actor.py), which adds the event loop, the device stream and the messages. Keeping the
-logic free of asyncio makes every decision testable step by step.
+`Scheduler` is plain synchronous logic. It owns memory (the request table, the KV allocator, the
+radix tree) and every request that holds any of it (running, chunked, in the last prefill). The
+waiting queue and the admission decision belong to the `PrefillPlanner` (waiting_queue.py). One
+round of planning is three calls, so the planner can sit behind a mailbox:
+
+    budget = scheduler.prefill_budget()          # None: nothing to prefill this round
+    plan = planner.plan(budget)                   # the PrefillAdder actor, or a direct call
+    batch = scheduler.next_batch(plan)            # the prefill batch, else the decode batch
+
+Requests the scheduler gives back (retracted, or admitted but not placed) and those it ended on
+its own (never fit the pool) wait in two outboxes its owner empties after each round
+(`take_requeue`, `take_self_aborted`). Driven by `SyncScheduler` (step.py) or the
+`OverlapScheduler` actor.
 
 Overlap contract (SGLang's): batch N+1 is planned while batch N runs, so results are processed
 one step late. Consequences handled here:
 - a request finished by N may sit in N+1; its extra token is dropped (`req.finished()`);
-- a request retracted after N+1 was launched gets a new `epoch`; N+1's token for the old epoch
-  is dropped;
+- a request retracted after N+1 was launched has a new `epoch`; N+1's token for the old epoch is
+  dropped;
 - memory freed while a batch is in flight may be reused by a later batch: the device stream runs
   batches in order, so the later batch's writes land after the in-flight batch's.
 """
@@ -21,12 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.actors.messages import BatchTokenOut
-from engine.actors.prefill_adder import PrefillAdder, SchedulePolicy
 from engine.cache.radix_cache import BasePrefixCache, ChunkCache, RadixCache
-from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.model_executor.forward_batch_info import ForwardMode
+from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
+from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.policy import PrefillAdder, SchedulePolicy, prompt_head
+from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan, PrefillPlanner
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -63,20 +74,17 @@ class Scheduler:
         self.vocab_size = runner.model_config.vocab_size
         cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
         self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
-        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, not args.disable_radix_cache)
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.max_running_requests = min(args.max_running_requests, self.req_to_token_pool.size)
-        self.waiting_queue: list[Req] = []
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: LaunchedBatch | None = None  # last launched extend, merged next round
-        self.reqs_by_rid: dict[str, Req] = {}
+        self.reqs_by_rid: dict[str, Req] = {}  # every request this scheduler holds
+        self.num_waiting = 0  # the planner's queue length, as its owner last reported it
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.epochs: dict[str, int] = {}
-        # Requests the scheduler itself ended while planning (never fit the pool): the owner
-        # reports them to the output side and clears the list (`take_self_aborted`).
-        self.self_aborted: list[Req] = []
+        self._requeue: list[Req] = []  # outbox: back to the waiting queue's head, in order
+        self._self_aborted: list[Req] = []  # outbox: ended here, to be reported to their clients
         # stats
         self.num_retractions = 0
         self.hit_tokens = 0
@@ -84,32 +92,45 @@ class Scheduler:
         self.generated_tokens = 0
         self.started_at = time.perf_counter()
 
+    def new_planner(self) -> PrefillPlanner:
+        """A waiting queue with this scheduler's policy, reading this scheduler's prefix cache."""
+        policy = SchedulePolicy(self.args.schedule_policy, self.tree_cache, not self.args.disable_radix_cache)
+        return PrefillPlanner(policy, self.tree_cache, self.page_size)
+
+    def new_req(
+        self, rid: str, input_ids: list[int], params, seed: int, return_logprob: bool = False, top_logprobs_num: int = 0
+    ) -> Req:
+        """A `Req` for this model (its EOS ids and context length)."""
+        cfg = self.runner.model_config
+        return Req(
+            rid,
+            input_ids,
+            params,
+            seed=seed,
+            eos_token_ids=cfg.eos_token_ids,
+            max_context_len=self.runner.context_len,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+        )
+
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.vocab_size)
 
-    # ---- admission / abort ------------------------------------------------------------------
+    # ---- abort ----------------------------------------------------------------------------------
 
-    def add_request(self, req: Req) -> None:
-        self.waiting_queue.append(req)
-        self.reqs_by_rid[req.rid] = req
-        self.epochs[req.rid] = 0
-
-    def abort_request(self, rid: str, message: str, reason: FinishReason = FinishReason.ABORT,
-                      matched: int | str | None = None) -> Req | None:  # fmt: skip
-        """Finish a request wherever it is, freeing its memory now. Returns it if it was live."""
-        req = self.reqs_by_rid.get(rid)
+    def abort_request(
+        self, rid: str, message: str | None, reason: FinishReason = FinishReason.ABORT, matched: int | str | None = None
+    ) -> Req | None:
+        """Finish a request this scheduler holds, freeing its memory now; None if it holds none
+        by that rid (then it is waiting, or over)."""
+        req = self.reqs_by_rid.pop(rid, None)
         if req is None or req.finished():
             return None
-        req.finished_reason = Finished(reason, matched=matched, message=message if reason is FinishReason.ABORT else None)
-        if req in self.waiting_queue:
-            self.waiting_queue.remove(req)
-            if req.req_pool_idx is not None:  # a retracted request keeps nothing; a fresh one has nothing
-                self._release(req)
-        else:
-            if req is self.chunked_req:
-                self.chunked_req = None
-            self._release(req)
-        self.reqs_by_rid.pop(rid, None)
+        message = message if reason is FinishReason.ABORT else None
+        req.finished_reason = Finished(reason, matched=matched, message=message)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._release(req)
         return req
 
     def _release(self, req: Req) -> None:
@@ -122,7 +143,9 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------------------------
 
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+    def prefill_budget(self) -> PrefillBudget | None:
+        """Start a round: merge the last prefill into the running batch, then say what a new
+        prefill batch may take, or None when no prefill can happen this round."""
         joined: list[Req] = []
         if self.last_batch is not None and self.last_batch.mode.is_extend():
             # The previous prefill joins the running batch (minus a continuing chunk / finished reqs).
@@ -130,61 +153,64 @@ class Scheduler:
             self.last_batch = None
             if joined:
                 self.running_batch.merge_batch(self._new_batch(joined))
-        # Under overlap the previous prefill's result (which puts its prompts in the tree) is read
-        # after this planning; its requests count as in flight for in-batch prefix sharing.
-        new_batch = self.get_new_batch_prefill(joined)
-        if new_batch is not None:
-            return new_batch
-        self.running_batch.filter_batch()
-        if self.running_batch.is_empty():
-            return None
-        return self.update_running_batch(self.running_batch)
-
-    def get_new_batch_prefill(self, in_flight: list[Req] = ()) -> ScheduleBatch | None:
-        if not self.waiting_queue and self.chunked_req is None:
+        if self.num_waiting == 0 and self.chunked_req is None:
             return None
         self.running_batch.filter_batch()
         running = self.running_batch.reqs
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        in_flight = [*in_flight, self.chunked_req] if self.chunked_req is not None else in_flight
-        deferred = self.policy.calc_priority(self.waiting_queue, in_flight)
+        # Under overlap the previous prefill's result (which puts its prompts in the tree) is read
+        # after this planning; its requests count as in flight for in-batch prefix sharing.
+        in_flight = [*joined, self.chunked_req] if self.chunked_req is not None else joined
+        if self.chunked_req is not None:
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
         rem_total = (
             self.allocator.available_size()
             + self.tree_cache.evictable_size()
             - PrefillAdder.running_reservation(running, self.new_token_ratio)
         )
-        adder = PrefillAdder(
-            tree_cache=self.tree_cache,
-            page_size=self.page_size,
+        return PrefillBudget(
             rem_total_tokens=rem_total,
             rem_input_tokens=self.args.max_prefill_tokens,
             rem_chunk_tokens=self.chunked_prefill_size,
             max_new_reqs=self.max_running_requests - len(running),
+            chunked_req=self.chunked_req,
+            in_flight_heads=[h for h in map(prompt_head, in_flight) if h is not None],
         )
-        if self.chunked_req is not None:
-            self.tree_cache.cache_unfinished_req(self.chunked_req)
-            adder.add_chunked_req(self.chunked_req)
-        if adder.new_chunked_req is None:
-            for req in self.waiting_queue:
-                if id(req) in deferred or not adder.add_one_req(req):
-                    break  # deferred requests come last: wait for their leader's prefix
-        can_run = adder.can_run_list
+
+    def next_batch(self, plan: PrefillPlan | None) -> ScheduleBatch | None:
+        """Finish the round: the planned prefill batch if it can be placed, else a decode batch."""
+        if plan is not None:
+            self.num_waiting = plan.num_waiting
+            batch = self._place_prefill(plan)
+            if batch is not None:
+                return batch
+        self.running_batch.filter_batch()
+        if self.running_batch.is_empty():
+            return None
+        return self.update_running_batch(self.running_batch)
+
+    def _place_prefill(self, plan: PrefillPlan) -> ScheduleBatch | None:
+        """Lock the planned prefixes, evict, allocate; hand the requests back if they do not fit."""
+        can_run = plan.reqs
         if not can_run:
             return None
+        fresh = [r for r in can_run if r is not self.chunked_req]
+        for req in fresh:
+            self.tree_cache.inc_lock_ref(req.last_node)
         batch = self._new_batch(can_run)
         need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in can_run)
         self._evict_for(need)
         if not batch.prepare_for_extend():
-            for req in can_run:  # undo the admission; they stay (or go back) in the queue
-                if req is not self.chunked_req:
-                    self.tree_cache.dec_lock_ref(req.last_node)
+            for req in fresh:
+                self.tree_cache.dec_lock_ref(req.last_node)
+            self._requeue.extend(fresh)
             return None
-        admitted = {id(r) for r in can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        self.chunked_req = adder.new_chunked_req
-        self.hit_tokens += adder.log_hit_tokens
-        self.prompt_tokens += adder.log_input_tokens
+        for req in fresh:
+            self.reqs_by_rid[req.rid] = req
+        self.chunked_req = plan.new_chunked_req
+        self.hit_tokens += plan.hit_tokens
+        self.prompt_tokens += plan.input_tokens
         return batch
 
     def _evict_for(self, need: int) -> None:
@@ -228,25 +254,32 @@ class Scheduler:
         # own KV into the tree, re-admit it on that prefix and retract it again, forever.
         if not batch.reqs and victim.seqlen + self.page_size > self.allocator.size:
             self.abort_request(victim.rid, "the request does not fit in the KV cache pool")
-            self.self_aborted.append(victim)
+            self._self_aborted.append(victim)
             return victim
         self._release(victim)
+        self.reqs_by_rid.pop(victim.rid, None)
         victim.prefix_indices = torch.empty(0, dtype=torch.int64)
         victim.kv_committed_len = 0
         victim.is_chunked = 0
-        self.epochs[victim.rid] += 1
-        self.waiting_queue.insert(0, victim)
+        victim.epoch += 1
+        self._requeue.append(victim)
         return victim
+
+    def take_requeue(self) -> list[Req]:
+        """Requests handed back since the last call, for the head of the waiting queue, in order."""
+        reqs, self._requeue = self._requeue, []
+        self.num_waiting += len(reqs)
+        return reqs
 
     def take_self_aborted(self) -> list[Req]:
         """Requests ended by the scheduler since the last call (to be reported to their clients)."""
-        reqs, self.self_aborted = self.self_aborted, []
+        reqs, self._self_aborted = self._self_aborted, []
         return reqs
 
     def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
         reqs = list(batch.reqs)
         mid_chunk = [batch.forward_mode.is_extend() and r.is_chunked > 0 for r in reqs]
-        lb = LaunchedBatch(batch, reqs, [self.epochs[r.rid] for r in reqs], batch.forward_mode, mid_chunk)
+        lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], batch.forward_mode, mid_chunk)
         if lb.mode.is_extend():
             self.last_batch = lb
         return lb
@@ -256,13 +289,12 @@ class Scheduler:
     def process_batch_result(self, lb: LaunchedBatch, result: GenerationBatchResult) -> BatchTokenOut:
         out = result.sampler_output
         ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
-        want_lp = out.logprobs is not None
-        lps = out.logprobs.tolist() if want_lp else None
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
         top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
-        msg = _empty_out()
+        msg = BatchTokenOut()
         for i, req in enumerate(lb.reqs):
-            if req.finished() or lb.epochs[i] != self.epochs.get(req.rid, -1):
+            if req.finished() or lb.epochs[i] != req.epoch:
                 continue  # finished/aborted/retracted after this batch was launched
             if lb.mid_chunk[i]:
                 continue  # a middle chunk: its sampled token means nothing
@@ -280,36 +312,36 @@ class Scheduler:
                 # Make the just-computed prompt shareable while the request decodes (SGLang does
                 # the same); the request is re-pointed at the tree's slots.
                 self.tree_cache.cache_unfinished_req(req)
-            fin = req.finished_reason
-            _append(msg, req, tok, fin, lp, top)
-            if fin is not None:
+            msg.add(req, tok, lp, top)
+            if req.finished():
                 self._release(req)
                 self.reqs_by_rid.pop(req.rid, None)
         return msg
 
     def fail_batch(self, lb: LaunchedBatch, error: BaseException) -> BatchTokenOut:
         """A forward raised: the requests in it end with an error; everyone else keeps going."""
-        msg = _empty_out()
+        msg = BatchTokenOut()
         for req in lb.reqs:
             if self.abort_request(req.rid, f"internal error during forward: {error!r}") is not None:
-                _append(msg, req, -1, req.finished_reason, None, None)
+                msg.add(req, -1)
         if self.last_batch is lb:
             self.last_batch = None
         return msg
 
     # ---- introspection ------------------------------------------------------------------------
 
+    def holds_nothing(self) -> bool:
+        """No request holds memory (waiting requests never do): the memory invariant must hold."""
+        return self.running_batch.is_empty() and self.chunked_req is None and self.last_batch is None
+
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
-            self.last_batch is None
-        )
+        return self.num_waiting == 0 and self.holds_nothing()
 
     def check_memory(self) -> None:
-        """When idle: every KV slot is free or in the tree, and no request row is held."""
+        """When no request holds memory: every KV slot is free or in the tree, every row free."""
         total = self.allocator.size
-        avail, evictable, protected = (
-            self.allocator.available_size(), self.tree_cache.evictable_size(), self.tree_cache.protected_size(),
-        )  # fmt: skip
+        avail, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
         rows_free = self.req_to_token_pool.available_size()
         if avail + evictable + protected != total or rows_free != self.req_to_token_pool.size or protected:
             msg = (
@@ -328,14 +360,16 @@ class Scheduler:
 
     def internal_state(self) -> dict:
         elapsed = max(time.perf_counter() - self.started_at, 1e-9)
+        size = self.allocator.size
+        available, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
         return {
             "running_requests": len([r for r in self.running_batch.reqs if not r.finished()]),
-            "waiting_requests": len(self.waiting_queue) + (1 if self.chunked_req is not None else 0),
-            "total_tokens": self.allocator.size,
-            "available_tokens": self.allocator.available_size(),
-            "evictable_tokens": self.tree_cache.evictable_size(),
+            "waiting_requests": self.num_waiting + (1 if self.chunked_req is not None else 0),
+            "total_tokens": size,
+            "available_tokens": available,
+            "evictable_tokens": evictable,
             "protected_tokens": self.tree_cache.protected_size(),
-            "token_usage": 1.0 - (self.allocator.available_size() + self.tree_cache.evictable_size()) / self.allocator.size,
+            "token_usage": 1.0 - (available + evictable) / size,
             "cache_hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "new_token_ratio": self.new_token_ratio,
             "num_retractions": self.num_retractions,
@@ -345,19 +379,3 @@ class Scheduler:
             "page_size": self.page_size,
             "radix_cache": not self.args.disable_radix_cache,
         }
-
-
-def _empty_out() -> BatchTokenOut:
-    return BatchTokenOut([], [], [], [], [], [], [], [], [])
-
-
-def _append(msg: BatchTokenOut, req: Req, tok: int, fin: Finished | None, lp, top) -> None:
-    msg.rids.append(req.rid)
-    msg.token_ids.append(tok)
-    msg.finish_reasons.append(fin.reason.value if fin else None)
-    msg.matched.append(fin.matched if fin is not None and isinstance(fin.matched, int) else None)
-    msg.messages.append(fin.message if fin else None)
-    msg.prompt_tokens.append(len(req.origin_input_ids))
-    msg.cached_tokens.append(req.cached_tokens)
-    msg.logprobs.append(lp)
-    msg.top_logprobs.append(top)

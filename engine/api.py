@@ -1,0 +1,155 @@
+"""The engine's public data types: what a caller sends, what comes back, what the model is.
+
+Everything a user of `Engine` (the HTTP server included) handles is defined here and exported
+from `engine`; nothing in this module knows about actors, the scheduler or the model runner.
+
+- `Prompt`: text, token ids, or chat messages (the model's chat template is applied).
+- `StreamDelta`: one increment of one request's output; the last one has `finish_reason`.
+- `RequestStream`: the deltas of one submitted request; closing it early aborts the request.
+- `GenerateResult` and `ResultBuilder`: a whole output, folded from its deltas (one fold for the
+  in-process API and the server).
+- `ModelInfo`: the served model's facts (architecture, context length, vocabulary, dtype...).
+- `StepRecord`: one forward's timing, for benchmarks and diagnosis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class StreamDelta(msgspec.Struct):
+    """One increment of one request's output, as the user sees it."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # set on the last delta: 'stop' | 'length' | 'abort'
+    error: str | None = None  # the abort message, when the engine ended the request
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    matched_stop: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    text: str
+    token_ids: list[int]  # output tokens only
+    finish_reason: str  # 'stop' | 'length' | 'abort'
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    matched_stop: int | str | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ResultBuilder:
+    """Folds one request's deltas, in order, into its whole output."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    last: StreamDelta | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        self.top_logprobs.extend(delta.top_logprobs or [])
+        self.last = delta
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+    def result(self, with_logprobs: bool = False, with_top_logprobs: bool = False) -> GenerateResult:
+        """The whole output; call after the final delta (the one with a finish_reason)."""
+        last = self.last
+        if last is None or last.finish_reason is None:
+            raise RuntimeError("the request has not finished: no final delta yet")
+        return GenerateResult(
+            rid=last.rid,
+            text=self.full_text,
+            token_ids=self.token_ids,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            cached_tokens=last.cached_tokens,
+            matched_stop=last.matched_stop,
+            error=last.error,
+            logprobs=self.logprobs if with_logprobs else None,
+            top_logprobs=self.top_logprobs if with_top_logprobs else None,
+        )
+
+
+class RequestStream:
+    """The deltas of one submitted request (see `Engine.open_stream`); the last has `finish_reason`.
+
+    A class rather than an async generator so that `aclose()` aborts even a stream that was never
+    iterated (an unstarted generator's `finally` never runs). `on_close` is the engine's abort:
+    called once, only if the request had not finished.
+    """
+
+    def __init__(self, rid: str, queue: asyncio.Queue[StreamDelta], on_close: Callable[[str], None]) -> None:
+        self.rid = rid
+        self.finished = False
+        self._queue = queue
+        self._on_close = on_close
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        self.finished = delta.finish_reason is not None
+        return delta
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already finished; idempotent, never blocks."""
+        if self.finished:
+            return
+        self.finished = True
+        self._on_close(self.rid)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model, as loaded (what `/get_model_info` reports)."""
+
+    model_path: str
+    architecture: str
+    vocab_size: int
+    context_len: int
+    dtype: str  # "bfloat16", "float32", ...
+    device: str  # "cpu", "cuda:0", ...
+    max_total_tokens: int  # KV pool size in tokens
+    max_running_requests: int
+    eos_token_ids: tuple[int, ...]
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """One forward: its mode, size, and when it ran (time.perf_counter seconds, measured on the
+    thread that ran it; on CUDA that is when it was enqueued, not when the device ran it)."""
+
+    mode: str  # "EXTEND" | "DECODE" | "MIXED"
+    batch_size: int
+    num_tokens: int  # tokens whose KV this forward wrote
+    start: float
+    end: float

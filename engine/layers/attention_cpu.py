@@ -1,0 +1,95 @@
+"""Attention on CPUs through the C++ paged attention kernels (engine/kernels/cpu_attention.py).
+
+Chosen at start-up (attention_backend.py) when the device is a CPU, the KV dtype is fp32 or bf16,
+the head size is 64 or 128 and the kernels' extension built. The kernels read each request's K/V
+rows in place, once, with an online softmax: 3x faster than the torch backend's decode in bf16 and
+10x in fp32 (batch 64 x 450 tokens, 2 cores), whose cost is moving the KV cache through memory
+three times (gather, copy, read). Extend runs the kernel's causal attention over prefix + new tokens.
+
+Decode batches whose requests share a radix prefix use cascade attention (cascade.py): the shared
+prefix once per group as one GEMM, the own suffixes through the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.memory_pool import KVCache
+from engine.kernels import cpu_attention
+from engine.layers import shared_prefix
+from engine.layers.attention_ops import HeadLayout, PlannedAttnBackend, decode_rows
+from engine.layers.cascade import CascadeDecodePlan
+from engine.layers.shared_prefix import SharedPrefixPlan
+from engine.model_executor.forward_batch_info import ForwardBatch
+
+
+class KernelDecodePlan:
+    """Decode: each request's query over `slots[b, :lens[b]]` in the kernel."""
+
+    def __init__(self, layout: HeadLayout, pool: KVCache, slots: torch.Tensor, lens: torch.Tensor) -> None:
+        self.layout, self.pool, self.slots, self.lens = layout, pool, slots, lens
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
+        out, _ = cpu_attention.decode_attention(q, kb, vb, self.slots, self.lens, self.layout.scaling)
+        return out.view(q.shape[0], -1)
+
+
+class KernelCascadePlan(CascadeDecodePlan):
+    """Cascade decode whose own suffixes go through the kernel."""
+
+    def __init__(self, layout: HeadLayout, pool: KVCache, shared: SharedPrefixPlan) -> None:
+        super().__init__(layout, pool, shared)
+        self.suffix_slots = shared.suffix_slots.view(shared.suffix_lens.numel(), shared.max_suffix)
+
+    def attend_suffix(
+        self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scaling = self.layout.scaling
+        return cpu_attention.decode_attention(
+            q, k_buffer, v_buffer, self.suffix_slots, self.shared.suffix_lens, scaling
+        )
+
+
+class KernelExtendPlan:
+    """Extend: each request's new tokens over its prefix and themselves, causally, in the kernel."""
+
+    def __init__(
+        self,
+        layout: HeadLayout,
+        pool: KVCache,
+        slots: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+    ) -> None:
+        self.layout, self.pool, self.slots = layout, pool, slots
+        self.prefix_lens, self.extend_lens = prefix_lens, extend_lens
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
+        scaling = self.layout.scaling
+        out = cpu_attention.extend_attention(q, kb, vb, self.slots, self.prefix_lens, self.extend_lens, scaling)
+        return out.view(q.shape[0], -1)
+
+
+class CpuAttnBackend(PlannedAttnBackend):
+    """The C++ kernel backend (`--attention-backend cpu`); see the module docstring."""
+
+    def __init__(self, layout: HeadLayout, cascade: bool = True) -> None:
+        super().__init__(layout)
+        self.cascade = cascade  # decode shared prefixes once per group (ServerArgs.disable_cascade_attention)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        pool = fb.token_to_kv_pool
+        if fb.forward_mode.is_decode():
+            rows, _ = decode_rows(fb)
+            shared = shared_prefix.plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
+            if shared is not None:
+                self.plan = KernelCascadePlan(self.layout, pool, shared)
+            else:  # on a CPU fb.seq_lens is the host int64 tensor the kernel takes
+                self.plan = KernelDecodePlan(self.layout, pool, rows, fb.seq_lens)
+            return
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        max_seq = max(p + e for p, e in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_seq].to(torch.int64)
+        self.plan = KernelExtendPlan(self.layout, pool, rows, fb.extend_prefix_lens, fb.extend_seq_lens)

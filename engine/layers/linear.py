@@ -1,0 +1,133 @@
+"""Linear layers, one module per implementation, chosen once when the model loads.
+
+- `DenseLinear`: `F.linear` on a dense weight. Every projection is built as one (a fused q|k|v or
+  gate|up projection loads its parts into row ranges, `output_sizes`) and stays one where nothing
+  faster applies: the fp32 reference path (its `F.linear` is the BLAS whose results the
+  transformers parity tests pin) and devices other than the CPU.
+- `OneDNNLinear`: a bf16 CPU weight reordered once into oneDNN's blocked layout (what inductor's
+  CPU freezing does). `F.linear` in bf16 runs the same oneDNN kernel but reorders the weight on
+  every call; prepacked, a decode step's matmuls take 15-45% less time (measured on a 2-core CPU,
+  batch 1 to 64) with bit-identical results.
+- `Int4Linear`: a GGUF 4-bit weight through torch's int4pack CPU kernel (int4.py) for inputs of at
+  most `max_rows` rows, where reading a quarter of the bytes wins; its dense form (`big`, one of
+  the two above) for more rows, where the int4 kernel's per-row cost loses. That row-count choice
+  is this module's job; where the crossover lies is measured at start-up (int4_crossover.py).
+
+`finalize_linear` turns a loaded `DenseLinear` into the module the model keeps. The dense weight
+is then referenced by nothing (a oneDNN or int4 module holds its own copy), so it is freed —
+except where the dense weight is shared, as a tied LM head shares the embedding table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.int4 import PackedInt4Weight
+
+
+def onednn_prepack_available() -> bool:
+    """Whether this torch build can prepack weights for oneDNN's linear kernel."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class DenseLinear(nn.Module):
+    """`y = x @ W.T + b` with `F.linear`; W is `[sum(output_sizes), in_features]`.
+
+    `weight`: an existing parameter to use instead of a new one (a tied LM head and its embedding).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        if weight is None:
+            weight = nn.Parameter(torch.empty(self.out_features, in_features, device=device, dtype=dtype), False)
+        self.weight = weight
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype), False) if bias else None
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """(first row, row count) of part `shard` of a fused weight (e.g. 0/1/2 = q/k/v)."""
+        return sum(self.output_sizes[:shard]), self.output_sizes[shard]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+class OneDNNLinear(nn.Module):
+    """A bf16 CPU linear on a weight prepacked for oneDNN (see the module docstring)."""
+
+    def __init__(self, packed: torch.Tensor, bias: nn.Parameter | None, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.packed = packed  # opaque mkldnn tensor: a plain attribute, never cast or saved
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+
+    @classmethod
+    def from_dense(cls, dense: DenseLinear, rows_hint: int = 32) -> OneDNNLinear | None:
+        """The prepacked form of a bf16 CPU `dense`, or None where prepacking does not apply (fp32
+        keeps `F.linear`: another BLAS, whose summation order the reference path relies on)."""
+        weight = dense.weight
+        if not (onednn_prepack_available() and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
+        return cls(packed, dense.bias, dense.in_features, dense.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+class Int4Linear(nn.Module):
+    """Int4 kernel for inputs of 1..`max_rows` rows, `big` (the dense form) for any other count."""
+
+    def __init__(self, packed: PackedInt4Weight, big: DenseLinear | OneDNNLinear, max_rows: int) -> None:
+        super().__init__()
+        self.packed = packed
+        self.big = big
+        self.bias = big.bias
+        self.max_rows = max_rows
+        self.in_features = packed.in_features
+        self.out_features = packed.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if 0 < rows <= self.max_rows:
+            out = self.packed.matmul(x)
+            return out if self.bias is None else out + self.bias
+        return self.big(x)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+def finalize_linear(
+    dense: DenseLinear, packed: PackedInt4Weight | None, q4_max_rows: int
+) -> DenseLinear | OneDNNLinear | Int4Linear:
+    """The module a loaded projection runs as: `Int4Linear` when it has a 4-bit form, the int4
+    path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernel's only fast case),
+    else its dense form (prepacked for oneDNN where that applies)."""
+    big = OneDNNLinear.from_dense(dense) or dense
+    weight = dense.weight
+    if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return big
+    return Int4Linear(packed, big, q4_max_rows)

@@ -1,0 +1,53 @@
+"""`BatchTokenOut`: what one scheduler step tells the output side (a tagged message Struct).
+
+Built by the scheduler (a forward's sampled tokens, requests it ended) and by the PrefillAdder
+(requests aborted while waiting); read by the OutputProcessor, which turns ids into text.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.scheduler.batch import Finished, Req
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    """One step's results for the requests that produced (or ended with) a token.
+
+    Per request: the new token id (-1 when a request ended without one, e.g. an abort), the
+    finish reason ('stop' | 'length' | 'abort' | None), matched stop token, error message,
+    prompt length, cached tokens, and optional logprobs.
+    """
+
+    rids: list[str] = []
+    token_ids: list[int] = []
+    finish_reasons: list[str | None] = []
+    matched: list[int | None] = []
+    messages: list[str | None] = []
+    prompt_tokens: list[int] = []
+    cached_tokens: list[int] = []
+    logprobs: list[float | None] = []
+    top_logprobs: list[list[tuple[int, float]] | None] = []
+
+    def add(
+        self, req: Req, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> None:
+        """Append `req`'s entry: its new token (-1: none) and, if it ended, how."""
+        fin: Finished | None = req.finished_reason
+        self.rids.append(req.rid)
+        self.token_ids.append(token_id)
+        self.finish_reasons.append(fin.reason.value if fin is not None else None)
+        self.matched.append(fin.matched if fin is not None and isinstance(fin.matched, int) else None)
+        self.messages.append(fin.message if fin is not None else None)
+        self.prompt_tokens.append(len(req.origin_input_ids))
+        self.cached_tokens.append(req.cached_tokens)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
+
+    @classmethod
+    def finished(cls, reqs: list[Req]) -> BatchTokenOut:
+        """The final entries of requests that ended without a new token (aborts)."""
+        out = cls()
+        for req in reqs:
+            out.add(req, -1)
+        return out

@@ -1,0 +1,173 @@
+"""Implementations are chosen once, when the model loads, from the device, dtype and machine.
+
+For each configuration: which linear form every projection gets (dense `F.linear`, oneDNN
+prepacked, int4 with a dense form for big inputs), whether the norms, the activation and rotary
+run the fused C++ ops or the torch ops, and which attention backend runs. Also: dense weights no
+path reads after packing are really freed (a tied LM head keeps the embedding table), and the
+int4 row bound is measured at start-up unless given.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from engine.layers import int4_crossover
+from engine.layers.activation import SiluAndMul
+from engine.layers.int4 import int4_kernel_available
+from engine.layers.linear import DenseLinear, Int4Linear, OneDNNLinear, onednn_prepack_available
+from engine.layers.norm import AddRMSNorm, RMSNorm
+from engine.model_config import ModelConfig
+from engine.model_executor.model_runner import ModelRunner
+from engine.models import llama
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import resolve_model
+from engine.server_args import ServerArgs
+from tests.sched_harness import make_tiny_llama
+
+CPU = torch.device("cpu")
+needs_fast_paths = pytest.mark.skipif(
+    not (int4_kernel_available() and onednn_prepack_available()), reason="torch lacks the int4 or oneDNN CPU ops"
+)
+
+
+def _runner(source, **kw) -> ModelRunner:
+    args = dict(device="cpu", max_total_tokens=256, max_running_requests=4) | kw
+    return ModelRunner(ServerArgs(**args), source)
+
+
+def _projections(model: LlamaForCausalLM) -> list[torch.nn.Module]:
+    return [
+        m
+        for layer in model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+
+
+def _elementwise(model: LlamaForCausalLM) -> list[torch.nn.Module]:
+    """Every module that has a fused form: norms, the activation, rotary."""
+    ops: list[torch.nn.Module] = [model.norm, model.rotary_emb]
+    for layer in model.layers:
+        ops += [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn]
+    return ops
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def test_fp32_is_the_reference_path(default_source):
+    """fp32: F.linear everywhere and torch elementwise ops (transformers parity); attention in the
+    C++ kernels (head size 64)."""
+    runner = _runner(default_source, dtype="float32")
+    model = runner.model
+    assert all(type(p) is DenseLinear for p in _projections(model)) and type(model.lm_head) is DenseLinear
+    assert not any(op.uses_cpu_kernel for op in _elementwise(model)) and not model.fused
+    assert runner.attn_backend_name == "cpu" and runner.q4_max_tokens == 0
+
+
+@needs_fast_paths
+def test_cpu_bf16_with_kernels_gets_onednn_int4_and_fused_ops(default_source):
+    runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=16)
+    model = runner.model
+    projections = _projections(model)
+    assert all(isinstance(p, Int4Linear) and isinstance(p.big, OneDNNLinear) for p in projections)
+    assert all(p.max_rows == 16 for p in projections) and runner.q4_max_tokens == 16
+    assert isinstance(model.lm_head, OneDNNLinear)  # the tied head: prepacked, never 4-bit
+    ops = _elementwise(model)
+    assert all(op.uses_cpu_kernel for op in ops) and model.fused
+    assert {type(op) for op in ops} >= {RMSNorm, AddRMSNorm, SiluAndMul}
+    assert runner.attn_backend_name == "cpu"
+
+
+@needs_fast_paths
+def test_kernels_off_keeps_torch_ops(default_source, monkeypatch):
+    """ASYNCLLM_CPU_KERNELS=0: torch elementwise ops and the torch attention backend; the linears
+    are torch's own ops (oneDNN, int4), so they keep their fast forms."""
+    monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
+    runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=16)
+    assert not any(op.uses_cpu_kernel for op in _elementwise(runner.model)) and not runner.model.fused
+    assert runner.attn_backend_name == "torch"
+    assert all(isinstance(p, Int4Linear) for p in _projections(runner.model))
+
+
+@needs_fast_paths
+def test_hf_folder_bf16_has_no_int4_form(tiny_folder):
+    """No 4-bit weights in a Hugging Face folder: oneDNN forms only; head size 16: torch attention,
+    hidden size 64: fused norms."""
+    runner = _runner(resolve_model(str(tiny_folder)), dtype="bfloat16", q4_max_tokens=16)
+    assert all(type(p) is OneDNNLinear for p in _projections(runner.model))
+    assert runner.attn_backend_name == "torch" and runner.model.norm.uses_cpu_kernel
+
+
+@needs_fast_paths
+def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
+    runner = _runner(default_source, dtype="bfloat16")
+    rows = runner.q4_max_tokens
+    assert 0 <= rows <= int4_crossover.CANDIDATE_ROWS[-1]
+    int4 = [p for p in _projections(runner.model) if isinstance(p, Int4Linear)]
+    assert all(p.max_rows == rows for p in int4) and len(int4) == (len(_projections(runner.model)) if rows else 0)
+    # A machine where the int4 kernel never wins keeps no int4 form at all.
+    monkeypatch.setattr(llama, "measure_int4_crossover", lambda linears: 0)
+    runner = _runner(default_source, dtype="bfloat16")
+    assert runner.q4_max_tokens == 0 and all(type(p) is OneDNNLinear for p in _projections(runner.model))
+
+
+@needs_fast_paths
+def test_crossover_measurement_is_cached_and_bounded(default_source):
+    runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=64)
+    int4 = [p for p in _projections(runner.model) if isinstance(p, Int4Linear)]
+    first = int4_crossover.measure_int4_crossover(int4)
+    assert 0 <= first <= int4_crossover.CANDIDATE_ROWS[-1]
+    timed = int4_crossover.cold_cache_prefix(int4)
+    llc = int4_crossover.last_level_cache_bytes()
+    timed_bytes = sum(2 * p.in_features * p.out_features for p in timed)
+    assert timed_bytes >= 2 * llc or len(timed) == len(int4)  # the weights cannot all sit in the cache
+    assert int4_crossover.measure_int4_crossover(int4) == first  # cached: the same shapes, threads
+
+
+def _load(source, dtype: torch.dtype, with_q4: bool) -> tuple[LlamaForCausalLM, dict]:
+    cfg = ModelConfig.from_hf(source.hf_config, source.architecture)
+    model = LlamaForCausalLM(cfg, source.hf_config, CPU, dtype)
+    weights = source.iter_weights_q4() if with_q4 else ((n, t, None) for n, t in source.iter_weights())
+    return model, model.load_weights(weights)
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@needs_fast_paths
+@pytest.mark.parametrize("with_q4", [True, False], ids=["int4+onednn", "onednn"])
+def test_dense_weights_nobody_reads_are_freed(default_source, with_q4):
+    model, q4 = _load(default_source, torch.bfloat16, with_q4)
+    dense = [weakref.ref(p.weight) for p in _projections(model)]
+    embed = model.embed_tokens.weight
+    assert model.lm_head.weight is embed  # tied: the head reads the embedding table
+    before = _param_bytes(model)
+    model.process_weights_after_loading(q4, 8 if with_q4 else 0)
+    gc.collect()
+    assert all(ref() is None for ref in dense), "a dense projection weight outlived its packed form"
+    assert model.embed_tokens.weight is embed  # still there for the lookup
+    assert before - _param_bytes(model) == sum(2 * p.in_features * p.out_features for p in _projections(model))
+
+
+@needs_fast_paths
+def test_untied_head_weight_is_freed(tiny_folder):
+    model, q4 = _load(resolve_model(str(tiny_folder)), torch.bfloat16, False)
+    head = weakref.ref(model.lm_head.weight)
+    assert head() is not model.embed_tokens.weight
+    model.process_weights_after_loading(q4, 0)
+    gc.collect()
+    assert head() is None and isinstance(model.lm_head, OneDNNLinear)
+
+
+def test_fp32_keeps_its_dense_weights(tiny_folder):
+    model, q4 = _load(resolve_model(str(tiny_folder)), torch.float32, False)
+    weights = [p.weight for p in _projections(model)]
+    model.process_weights_after_loading(q4, 0)
+    assert all(p.weight is w for p, w in zip(_projections(model), weights, strict=True))
