@@ -14,9 +14,7 @@ runs (measured unless `q4_max_tokens` is given), and the decode CUDA graphs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -59,18 +57,6 @@ class GenerationBatchResult:
         if self.next_token_ids_host is not None:
             return self.next_token_ids_host.result().tolist()
         return self.next_token_ids.tolist()
-
-
-@contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with the forward thread's torch thread count (measurements must see it)."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class ModelRunner:
@@ -121,8 +107,11 @@ class ModelRunner:
             raise
         except Exception as e:  # a weight file that breaks in an unforeseen way still gets named
             raise ModelLoadError(f"failed to load weights from {self.source.path}: {e}") from e
-        with _torch_threads(self.args.torch_threads):
-            q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
+        # Measured with this (loading) thread's torch thread count, torch's default: what the forward
+        # uses unless `torch_threads` says otherwise. Not set here on purpose: calling
+        # torch.set_num_threads on a second thread slowed every later forward on the device
+        # stream's thread by ~1.5x (bf16 decode at batch 64: 52 -> 77 ms, bench.offline W2).
+        q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
         if q4:
             how = "measured" if q4_max_tokens is None else "set"
             packed = f"{len(q4)} of {4 * cfg.num_layers} layer weights packed"
