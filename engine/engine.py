@@ -31,7 +31,7 @@ from engine.device import DeviceStream, make_device_stream
 from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import Scheduler, check_internal_state
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -217,12 +217,18 @@ class Engine:
     async def get_internal_state(self) -> dict[str, Any]:
         reply = await self._check().control(GetInternalStateReq)
         state = dict(reply.payload)
+        stats = self._system.stats() if self._system else []
         state["healthy"] = self.healthy
-        state["actors"] = [s.name + ":" + s.state for s in self._system.stats()] if self._system else []
+        state["actors"] = [s.name + ":" + s.state for s in stats]
+        state["message_errors"] = sum(s.message_errors for s in stats)  # handled, contained failures
         return state
 
     async def set_internal_state(self, **state: Any) -> dict[str, Any]:
-        reply = await self._check().control(lambda reply_id: SetInternalStateReq(reply_id, state))
+        """Change scheduler knobs at run time (`max_running_requests`, `new_token_ratio`); a bad
+        name or value is an InvalidRequestError naming it, and changes nothing."""
+        receiver = self._check()
+        check_internal_state(state)
+        reply = await receiver.control(lambda reply_id: SetInternalStateReq(reply_id, state))
         if not reply.ok:
             raise InvalidRequestError(reply.error or "cannot set internal state", "state")
         return dict(reply.payload)

@@ -45,6 +45,9 @@ class Metrics:
         self.token_usage = gauge("sglang:token_usage", "Share of the KV cache pool in use (not evictable).")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prompt tokens found in the prefix cache / all.")
         self.gen_throughput = gauge("sglang:gen_throughput", "Generated tokens per second since start.")
+        self.message_errors = gauge(
+            "asyncllm:actor_message_errors", "Messages whose handling raised inside an actor (contained, logged)."
+        )
         self.ttft = hist("sglang:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("sglang:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = hist("sglang:e2e_request_latency_seconds", "Request latency, submit to last token.", _E2E_BUCKETS)
@@ -58,6 +61,7 @@ class Metrics:
         self.token_usage.set(state.get("token_usage", 0.0))
         self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
         self.gen_throughput.set(state.get("gen_throughput", 0.0))
+        self.message_errors.set(state.get("message_errors", 0))
         self.inflight.set(inflight)
 
     def render(self) -> web.Response:

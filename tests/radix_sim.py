@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.chunk_cache import ChunkCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from engine.cache.radix_cache import ChunkCache, RadixCache, TreeNode
+from engine.cache.radix_cache import RadixCache, TreeNode
 from engine.sampling import SamplingParams
 from engine.scheduler.batch import Req, ScheduleBatch
 
@@ -97,6 +98,7 @@ class Sim:
         row = self.row(req)
         for i in range(len(req.prefix_indices), req.kv_committed_len):
             self.content[row[i]] = tuple(req.fill_ids[: i + 1])
+        req.kv_computed_len = req.kv_committed_len  # the "forward" completed (Scheduler.process_batch_result)
         return True
 
     def decode(self, reqs: list[Req]) -> bool:
@@ -111,6 +113,7 @@ class Sim:
         for req in reqs:
             seq = req.origin_input_ids + req.output_ids
             self.content[self.row(req)[-1]] = tuple(seq[: req.kv_committed_len])
+            req.kv_computed_len = req.kv_committed_len
         return True
 
     def check_prefix(self, ids: list[int], slot_list: list[int]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.actors.messages import BatchStrOut, BatchTokenOut, RegisterReq, StopStrMatched, StreamDelta
+from engine.actors.messages import AbortReq, BatchStrOut, BatchTokenOut, RegisterReq, StopStrMatched, StreamDelta
 from engine.actors.runtime import Actor
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -42,9 +42,30 @@ class OutputProcessor(Actor):
                 StopStringMatcher(msg.stop_strs) if msg.stop_strs else None,
             )
             return
-        deltas = [d for d in (self._one(msg, i) for i in range(len(msg.rids))) if d is not None]
+        deltas = []
+        for i, rid in enumerate(msg.rids):
+            try:
+                delta = self._one(msg, i)
+            except Exception as exc:  # one request's text failed: it alone ends, with the error
+                self.message_failed(msg, exc)
+                delta = self._fail(rid, f"internal error while detokenizing: {type(exc).__name__}: {exc}")
+            if delta is not None:
+                deltas.append(delta)
         if deltas:
             self.receiver.send(BatchStrOut(deltas))
+
+    def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
+        if isinstance(msg, RegisterReq):  # its output could never be shown: end it now
+            self.receiver.send(BatchStrOut([self._fail(msg.rid, f"internal error: {type(exc).__name__}: {exc}")]))
+
+    def _fail(self, rid: str, error: str) -> StreamDelta:
+        """End `rid` with an error: its final (abort) delta, and the scheduler told to free it."""
+        st = self.states.pop(rid, None)
+        if st is not None:
+            st.finished = True
+        self.dispatcher.send(AbortReq(rid, error))
+        done = st.completion_tokens if st is not None else 0
+        return StreamDelta(rid, "", [], finish_reason="abort", error=error, completion_tokens=done)
 
     def _one(self, msg: BatchTokenOut, i: int) -> StreamDelta | None:
         rid = msg.rids[i]

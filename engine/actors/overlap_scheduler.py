@@ -44,8 +44,9 @@ from engine.actors.messages import (
 from engine.actors.runtime import Actor
 from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
+from engine.errors import InvalidRequestError
 from engine.scheduler.batch import FinishReason, Req
-from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler
+from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler, check_internal_state
 from engine.scheduler.step import TimedResult, run_batch
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class OverlapScheduler(Actor):
         inflight: InFlight | None = None
         while True:
             for msg in self.drain():
-                self._handle(msg)
+                self.contain(self._handle, msg)
             if inflight is not None and (not self.enable_overlap or self._needs_sync()):
                 await self._finish(inflight)
                 inflight = None
@@ -103,7 +104,7 @@ class OverlapScheduler(Actor):
             inflight = launched
             if inflight is None and not self._has_work():
                 self._check_idle_memory()
-                self._handle(await self.recv())
+                self.contain(self._handle, await self.recv())
 
     async def _launch_next(self) -> InFlight | None:
         sched = self.sched
@@ -133,7 +134,7 @@ class OverlapScheduler(Actor):
         while True:  # wait for the device, serving messages (aborts, control) meanwhile
             msg, done = await self.recv_or(fut)
             if msg is not None:
-                self._handle(msg)
+                self.contain(self._handle, msg)
             if done:
                 break
         try:
@@ -192,16 +193,20 @@ class OverlapScheduler(Actor):
             log.error("unexpected plan reply %d outside a planning round; dropped", msg.reply_id)
 
     def _set_state(self, msg: SetInternalStateReq) -> ControlReply:
-        allowed = {"max_running_requests", "new_token_ratio"}
-        bad = set(msg.state) - allowed
-        if bad:
-            return ControlReply(msg.reply_id, False, error=f"cannot set {sorted(bad)}; settable: {sorted(allowed)}")
-        if "max_running_requests" in msg.state:
-            n = int(msg.state["max_running_requests"])
-            self.sched.max_running_requests = max(1, min(n, self.sched.req_to_token_pool.size))
-        if "new_token_ratio" in msg.state:
-            self.sched.new_token_ratio = float(msg.state["new_token_ratio"])
+        try:
+            state = check_internal_state(msg.state)
+        except InvalidRequestError as e:
+            return ControlReply(msg.reply_id, False, error=str(e))
+        if "max_running_requests" in state:
+            self.sched.max_running_requests = min(int(state["max_running_requests"]), self.sched.req_to_token_pool.size)
+        if "new_token_ratio" in state:
+            self.sched.new_token_ratio = float(state["new_token_ratio"])
         return ControlReply(msg.reply_id, True, self.sched.internal_state())
+
+    def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
+        """A control call gets its error as the reply; anything else was logged and counted."""
+        if isinstance(msg, (FlushCacheReq, GetInternalStateReq, SetInternalStateReq)):
+            self.replies.send(ControlReply(msg.reply_id, False, error=f"{type(exc).__name__}: {exc}"))
 
     async def on_crash(self, exc: BaseException) -> None:
         """The scheduler itself broke: every request it holds ends with an error."""

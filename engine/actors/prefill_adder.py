@@ -30,7 +30,7 @@ from engine.actors.messages import (
 )
 from engine.actors.runtime import Actor
 from engine.scheduler.batch import Finished, FinishReason, Req
-from engine.scheduler.waiting_queue import PrefillPlanner
+from engine.scheduler.waiting_queue import PrefillPlan, PrefillPlanner
 
 
 class PrefillAdderActor(Actor):
@@ -51,9 +51,9 @@ class PrefillAdderActor(Actor):
 
     async def run(self) -> None:
         while True:
-            self._handle(await self.recv())
+            self.contain(self._handle, await self.recv())
             for msg in self.drain():  # a burst of arrivals is one WaitingCount, not one each
-                self._handle(msg)
+                self.contain(self._handle, msg)
             if len(self.planner) != self._told:
                 self._told = len(self.planner)
                 self.version += 1
@@ -78,6 +78,31 @@ class PrefillAdderActor(Actor):
             req = self.planner.remove(msg.rid)
             if req is not None:
                 req.finished_reason = Finished(FinishReason.STOP, matched=msg.matched)
+
+    def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
+        """Fail what the message was about: the new request, the requeued ones, or (a plan that
+        cannot be made) every waiting request; the scheduler waiting for a plan gets an empty one."""
+        error = f"internal error in the prefill adder: {type(exc).__name__}: {exc}"
+        out = BatchTokenOut()
+        if isinstance(msg, TokenizedGenerateReq):
+            if self.planner.remove(msg.rid) is None:
+                out.add_aborted(msg.rid, error)
+        elif isinstance(msg, RequeueReqs):
+            for req in msg.reqs:
+                self.planner.remove(req.rid)
+                req.abort(error)
+                out.add(req, -1)
+        elif isinstance(msg, PlanPrefillReq):
+            for req in self.planner.waiting:
+                req.abort(error)
+                out.add(req, -1)
+            self.planner.waiting.clear()
+            self.version += 1
+            self._told = 0
+            empty = PrefillPlan([], None, 0, 0, 0)
+            self.scheduler.send(PrefillPlanReply(msg.reply_id, empty, self.version))
+        if out.rids:
+            self.output.send(out)
 
     def _add(self, msg: TokenizedGenerateReq) -> None:
         req = Req(

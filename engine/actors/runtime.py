@@ -12,9 +12,13 @@ Rules the runtime enforces, and why:
   back-pressure belongs to admission control, not to the mailbox. It fails at the sender
   (TypeError for a type the actor does not accept, ActorStoppedError for a dead actor), so
   mistakes surface where they are made instead of as a message that is never handled.
-* A crash is never silent: it is logged with the actor's name, kept in `error`, handed to
-  `on_crash` (so the actor can fail the requests it owns) and to the crash listener (the
-  `ActorSystem`, which turns the engine unhealthy).
+* One bad message never takes an actor down: an exception raised while handling a message is
+  logged, counted (`stats().message_errors`) and handed to `on_message_error`, which fails just
+  that request or control call; the actor goes on with the next message.
+* A crash (an exception outside message handling, e.g. in a scheduler's step) is never silent:
+  it is logged with the actor's name, kept in `error`, handed to `on_crash` (so the actor can fail
+  the requests it owns) and to the crash listener (the `ActorSystem`, which turns the engine
+  unhealthy).
 * Nothing hangs: `stop` waits at most `timeout` before cancelling the task.
 
 Mailboxes are single-reader and loop-bound: call `send` from the event loop's thread, and receive
@@ -76,6 +80,7 @@ class ActorStats(msgspec.Struct, frozen=True):
     received: int  # messages taken out of the mailbox
     depth: int  # messages waiting in the mailbox now
     error: str | None
+    message_errors: int  # messages whose handling raised (contained: the actor went on)
 
 
 CrashListener = Callable[["Actor", BaseException], None]
@@ -136,6 +141,7 @@ class Actor:
         self._stop_requested = False
         self._error: BaseException | None = None
         self._received = 0
+        self._message_errors = 0
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self._state.value} depth={len(self._mailbox)}>"
@@ -245,17 +251,42 @@ class Actor:
     # ---- behaviour (override) ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Default loop: hand each message to `handle`, in order, one at a time."""
+        """Default loop: hand each message to `handle`, in order, one at a time (contained)."""
         while True:
             msg = await self.recv()
-            await self.handle(msg)
+            try:
+                await self.handle(msg)
+            except Exception as exc:
+                self.message_failed(msg, exc)
 
     async def handle(self, msg: msgspec.Struct) -> None:
         """Process one message (override this, or override `run`)."""
         raise NotImplementedError(f"{type(self).__qualname__} overrides neither handle() nor run()")
 
+    def contain(self, handler: Callable[[msgspec.Struct], None], msg: msgspec.Struct) -> None:
+        """`handler(msg)`; if it raises, the failure stays with that message (for `run` loops of
+        their own: `self.contain(self._handle, msg)`)."""
+        try:
+            handler(msg)
+        except Exception as exc:
+            self.message_failed(msg, exc)
+
+    def message_failed(self, msg: msgspec.Struct, exc: Exception) -> None:
+        """Log and count a message whose handling raised, then let `on_message_error` answer it."""
+        self._message_errors += 1
+        logger.error(
+            "actor %r failed to handle %s: %s: %s", self.name, type(msg).__name__, type(exc).__name__, exc, exc_info=exc
+        )
+        try:
+            self.on_message_error(msg, exc)
+        except Exception:
+            logger.exception("actor %r: on_message_error raised", self.name)
+
+    def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
+        """Handling `msg` raised `exc`: fail what it was about (a request, a control call)."""
+
     async def on_crash(self, exc: BaseException) -> None:
-        """Runs after handle/run raised: fail the requests this actor owns here."""
+        """Runs after run() raised outside message handling: fail the requests this actor owns."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -275,7 +306,7 @@ class Actor:
 
     def stats(self) -> ActorStats:
         error = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
-        return ActorStats(self.name, self._state.value, self._received, len(self._mailbox), error)
+        return ActorStats(self.name, self._state.value, self._received, len(self._mailbox), error, self._message_errors)
 
     def start(self) -> None:
         """Create the actor's task on the running loop; an actor starts once."""

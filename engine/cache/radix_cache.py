@@ -1,4 +1,4 @@
-"""Prefix caches: `RadixCache` (RadixAttention) and `ChunkCache` (prefix sharing disabled).
+"""`RadixCache` (RadixAttention): the prefix cache shared across requests.
 
 The radix tree maps token sequences to the KV slots that already hold their keys and values, so a
 new request whose prompt starts with a cached prefix only computes the rest. Edges are compressed
@@ -15,7 +15,14 @@ Locking protocol (as in SGLang): when the scheduler admits a request whose `last
 `match_prefix`, it calls `inc_lock_ref(req.last_node)`; `cache_unfinished_req` moves that lock to
 the request's new node and `cache_finished_req` releases it. A chunked request continues with
 `req.init_next_round_input()` *without* the tree cache: its `prefix_indices` (set by
-`cache_unfinished_req`) already cover every committed position, including an unaligned tail.
+`cache_unfinished_req`) already cover every committed position, including its own tail.
+
+Only computed KV enters the tree. A request's slots are committed when its batch is planned, but
+their KV exists only once that forward completed (`kv_computed_len`, advanced by the scheduler
+when it processes a result). A forward that fails, or a request aborted or retracted while its
+forward is still running, leaves committed-but-uncomputed slots: they are freed, never inserted,
+so no later request can match a prefix whose KV was never written. The tree part of a request's
+row is the path to its `last_node` (`_tree_len`), whatever its own tail's length.
 
 Invariant the scheduler checks when idle (no running, no chunked request):
 
@@ -29,91 +36,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
-from typing import Any, Protocol
 
 import torch
 
+from engine.cache.base_prefix_cache import BasePrefixCache, CacheableReq, committed_tokens, empty_slots
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 ChildKey = int | tuple[int, ...]
-
-
-class CacheableReq(Protocol):
-    """What a prefix cache reads and updates of a request (the scheduler's `Req` has all of it).
-
-    Declared here, below the scheduler, so the cache never imports scheduler types.
-    """
-
-    origin_input_ids: list[int]
-    output_ids: list[int]
-    fill_ids: list[int]
-    prefix_indices: torch.Tensor  # int64 KV slots of the cached prefix (+ its own unaligned tail)
-    req_pool_idx: int | None  # its row in the ReqToTokenPool
-    kv_committed_len: int  # positions whose KV is in the pool
-    last_node: Any  # the tree node its prefix ends at (locked while it runs)
-
-
-def _empty_slots() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64)
-
-
-def _committed_tokens(req: CacheableReq) -> list[int]:
-    """The token ids of `req`'s first `kv_committed_len` positions, as far as they are known.
-
-    `fill_ids` is exact for a chunk in flight (it is the truncated prompt) but goes stale during
-    decode; `origin_input_ids + output_ids` is current but may lag one token under overlap. Both
-    are prefixes of the same sequence, so the longer one is the best knowledge.
-    """
-    committed = req.kv_committed_len
-    a = req.fill_ids[:committed]
-    b = (req.origin_input_ids + req.output_ids)[:committed]
-    return a if len(a) >= len(b) else b
-
-
-class BasePrefixCache(ABC):
-    """What the scheduler needs from a prefix cache, radix or not."""
-
-    @abstractmethod
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:
-        """Longest cached prefix of `key`: (its int64 KV slots, the node it ends at)."""
-
-    @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Cache `key -> value`; return how many leading tokens were already cached."""
-
-    @abstractmethod
-    def cache_finished_req(self, req: CacheableReq) -> None:
-        """Hand a finished request's KV to the cache (or free it) and release its row and lock."""
-
-    @abstractmethod
-    def cache_unfinished_req(self, req: CacheableReq) -> None:
-        """Make a running request's committed KV its prefix for the next round; it keeps its row."""
-
-    def evict(self, num_tokens: int) -> int:
-        """Free up to (at least, page granularity permitting) `num_tokens` cached slots."""
-        return 0
-
-    def inc_lock_ref(self, node: TreeNode | None) -> None:
-        """Protect `node` and its ancestors from eviction."""
-
-    def dec_lock_ref(self, node: TreeNode | None) -> None:
-        """Undo one `inc_lock_ref(node)`."""
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
-        return 0
-
-    def total_size(self) -> int:
-        return self.evictable_size() + self.protected_size()
-
-    def reset(self) -> None:
-        """Drop everything cached (only when no request holds a lock)."""
-
-    def pretty_print(self) -> str:
-        return f"<{type(self).__name__}>"
 
 
 class TreeNode:
@@ -164,7 +93,7 @@ class RadixCache(BasePrefixCache):
 
     def reset_tree(self) -> None:
         """Forget the tree without freeing anything (construction; `reset` frees first)."""
-        self.root = TreeNode([], _empty_slots(), None)
+        self.root = TreeNode([], empty_slots(), None)
         self.root.lock_ref = 1  # never evicted, never counted
         self._evictable = 0
         self._protected = 0
@@ -237,7 +166,7 @@ class RadixCache(BasePrefixCache):
                 break
             values.append(child.value)
             node, key = child, key[n:]
-        return (torch.cat(values) if values else _empty_slots()), node
+        return (torch.cat(values) if values else empty_slots()), node
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert the page-aligned part of `key -> value`; return the length already present.
@@ -269,50 +198,60 @@ class RadixCache(BasePrefixCache):
 
     # ---- request hand-off ---------------------------------------------------------------------
 
-    def _tree_len(self, req: CacheableReq) -> int:
-        """Leading positions of `req`'s row that already point at tree slots.
+    @staticmethod
+    def _tree_len(req: CacheableReq) -> int:
+        """Leading positions of `req`'s row that point at tree slots: the path to its `last_node`
+        (its row may go on with its own slots, however many: see `cache_unfinished_req`)."""
+        length, node = 0, req.last_node
+        while node is not None and node.parent is not None:
+            length += len(node.key)
+            node = node.parent
+        return length
 
-        `prefix_indices` is the tree prefix, possibly followed (after `cache_unfinished_req`) by
-        the request's own unaligned tail; the tree part is its page-aligned length.
-        """
-        return self._aligned(len(req.prefix_indices))
+    def _insertable(self, req: CacheableReq, token_ids: list[int], tree_len: int) -> int:
+        """How many leading tokens of `req` may enter the tree: known, computed, page-aligned (and
+        never fewer than its tree prefix, which is computed KV by construction)."""
+        return max(self._aligned(min(len(token_ids), req.kv_computed_len)), tree_len)
 
     def cache_finished_req(self, req: CacheableReq) -> None:
-        """Insert the request's committed tokens, free what the tree does not take, drop its row.
+        """Insert the request's computed tokens, free what the tree does not take, drop its row.
 
-        The last sampled token has no KV yet, so the key is the first `kv_committed_len` tokens.
+        The last sampled token has no KV yet, so the key is at most the first `kv_committed_len`
+        tokens; KV not computed yet (a failed or still running forward) is freed, not inserted.
         """
         row = req.req_pool_idx
         if row is None:
             raise ValueError(f"cache_finished_req: {req!r} holds no req_to_token row")
         committed = req.kv_committed_len
-        token_ids = _committed_tokens(req)
+        token_ids = committed_tokens(req)
         kv = self.req_to_token_pool.req_to_token[row, :committed].to(torch.int64)
         alloc = self.token_to_kv_pool_allocator
-        n = self._aligned(len(token_ids))
+        tree_len = self._tree_len(req)
+        n = self._insertable(req, token_ids, tree_len)
         present = self.insert(token_ids[:n], kv[:n])
-        alloc.free(kv[self._tree_len(req) : present])  # our duplicates of what the tree had
-        alloc.free(kv[n:])  # the unaligned tail (and any KV without a known token)
+        alloc.free(kv[tree_len:present])  # our duplicates of what the tree had
+        alloc.free(kv[n:])  # the tail: unaligned, uncomputed, or without a known token
         self.req_to_token_pool.free(row)
         req.req_pool_idx = None
         self.dec_lock_ref(req.last_node)
         req.last_node = None
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
-        """Share a running request's committed prefix and point the request at the tree's slots.
+        """Share a running request's computed prefix and point the request at the tree's slots.
 
         After this, `req.prefix_indices` covers all `kv_committed_len` positions: the tree's
-        page-aligned part followed by the request's own unaligned tail (still owned by it).
+        page-aligned computed part followed by the request's own tail (still owned by it).
         """
         row = req.req_pool_idx
         if row is None:
             raise ValueError(f"cache_unfinished_req: {req!r} holds no req_to_token row")
         committed = req.kv_committed_len
-        token_ids = _committed_tokens(req)
+        token_ids = committed_tokens(req)
         kv = self.req_to_token_pool.req_to_token[row, :committed].to(torch.int64)
-        n = self._aligned(len(token_ids))
+        tree_len = self._tree_len(req)
+        n = self._insertable(req, token_ids, tree_len)
         present = self.insert(token_ids[:n], kv[:n])
-        self.token_to_kv_pool_allocator.free(kv[self._tree_len(req) : present])
+        self.token_to_kv_pool_allocator.free(kv[tree_len:present])
         new_indices, new_node = self.match_prefix(token_ids[:n])
         assert len(new_indices) == n, "a just-inserted key must match in full"
         self.req_to_token_pool.write(row, 0, new_indices)
@@ -379,7 +318,7 @@ class RadixCache(BasePrefixCache):
     def all_values(self) -> torch.Tensor:
         """Every slot held by the tree (for invariant checks)."""
         values = [n.value for n in self._nodes()]
-        return torch.cat(values) if values else _empty_slots()
+        return torch.cat(values) if values else empty_slots()
 
     def pretty_print(self) -> str:
         """Indented dump of the tree; returned (and printed) for debugging."""
@@ -398,40 +337,3 @@ class RadixCache(BasePrefixCache):
         text = "\n".join(lines)
         print(text)
         return text
-
-
-class ChunkCache(BasePrefixCache):
-    """No prefix sharing: each request only ever reuses its own KV (across prefill chunks)."""
-
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
-        page_size: int = 1,
-    ) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
-
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
-        return _empty_slots(), None
-
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        return 0
-
-    def cache_finished_req(self, req: CacheableReq) -> None:
-        row = req.req_pool_idx
-        if row is None:
-            raise ValueError(f"cache_finished_req: {req!r} holds no req_to_token row")
-        kv = self.req_to_token_pool.req_to_token[row, : req.kv_committed_len].to(torch.int64)
-        self.token_to_kv_pool_allocator.free(kv)
-        self.req_to_token_pool.free(row)
-        req.req_pool_idx = None
-        req.last_node = None
-
-    def cache_unfinished_req(self, req: CacheableReq) -> None:
-        row = req.req_pool_idx
-        if row is None:
-            raise ValueError(f"cache_unfinished_req: {req!r} holds no req_to_token row")
-        kv = self.req_to_token_pool.req_to_token[row, : req.kv_committed_len]
-        req.prefix_indices = kv.to(torch.int64, copy=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from engine.cache.radix_cache import BasePrefixCache
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from engine.sampling import SamplingBatchInfo, SamplingParams
 
@@ -50,6 +50,7 @@ class Req:
         "finished_reason",
         "is_chunked",
         "kv_committed_len",
+        "kv_computed_len",
         "last_node",
         "max_context_len",
         "origin_input_ids",
@@ -94,7 +95,8 @@ class Req:
         self.last_node: Any = None  # radix tree node holding this request's cached prefix
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first round)
         self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
-        self.kv_committed_len = 0  # tokens whose KV sits in the pool for this request
+        self.kv_committed_len = 0  # positions with KV slots (a running forward may still be writing some)
+        self.kv_computed_len = 0  # positions whose KV a completed forward wrote (only these enter the tree)
         # Times this request was retracted: a result computed for an older epoch is dropped.
         self.epoch = 0
 
@@ -212,6 +214,8 @@ class ScheduleBatch:
             new_slots.append(slots)
         for req, row in zip(need_rows, rows):
             req.req_pool_idx = row
+            # A fresh row starts from a tree prefix: computed KV (a continued chunk keeps its count).
+            req.kv_computed_len = len(req.prefix_indices)
         input_ids: list[int] = []
         for req, slots in zip(self.reqs, new_slots):
             prefix_len = len(req.prefix_indices)

@@ -44,6 +44,18 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
 
+    def add_aborted(self, rid: str, message: str) -> None:
+        """End request `rid` with an error when no `Req` is at hand (its handling failed)."""
+        self.rids.append(rid)
+        self.token_ids.append(-1)
+        self.finish_reasons.append("abort")
+        self.matched.append(None)
+        self.messages.append(message)
+        self.prompt_tokens.append(0)
+        self.cached_tokens.append(0)
+        self.logprobs.append(None)
+        self.top_logprobs.append(None)
+
     @classmethod
     def finished(cls, reqs: list[Req]) -> BatchTokenOut:
         """The final entries of requests that ended without a new token (aborts)."""

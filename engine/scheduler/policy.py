@@ -29,7 +29,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.cache.radix_cache import BasePrefixCache
+from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.scheduler.batch import Req
 
 # A running request's future need is estimated from at most this many of its remaining tokens.

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache.radix_cache import BasePrefixCache, ChunkCache, RadixCache
+from engine.cache.base_prefix_cache import BasePrefixCache
+from engine.cache.chunk_cache import ChunkCache
+from engine.cache.radix_cache import RadixCache
+from engine.errors import InvalidRequestError
 from engine.model_executor.forward_batch_info import ForwardMode
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
@@ -52,6 +55,24 @@ class MemoryLeakError(RuntimeError):
     """`check_memory` found KV slots or request rows unaccounted for while idle."""
 
 
+def check_internal_state(state: dict) -> dict[str, int | float]:
+    """The settable scheduler knobs in `state`, validated: InvalidRequestError names a bad one."""
+    out: dict[str, int | float] = {}
+    for key, value in state.items():
+        if key == "max_running_requests":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"max_running_requests must be an integer >= 1, got {value!r}", key)
+        elif key == "new_token_ratio":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise InvalidRequestError(f"new_token_ratio must be a number in [0, 1], got {value!r}", key)
+            value = float(value)
+        else:
+            settable = ["max_running_requests", "new_token_ratio"]
+            raise InvalidRequestError(f"cannot set {key!r}; settable: {settable}", key)
+        out[key] = value
+    return out
+
+
 @dataclass
 class LaunchedBatch:
     """A batch handed to the device, with what result processing must know about it."""
@@ -59,6 +80,7 @@ class LaunchedBatch:
     batch: ScheduleBatch
     reqs: list[Req]
     epochs: list[int]
+    kv_lens: list[int]  # each request's committed KV length with this forward: computed once it completes
     mode: ForwardMode
     mid_chunk: list[bool]  # this forward computed a non-final chunk of that request's prompt
     launched_at: float = field(default_factory=time.perf_counter)
@@ -259,7 +281,7 @@ class Scheduler:
         self._release(victim)
         self.reqs_by_rid.pop(victim.rid, None)
         victim.prefix_indices = torch.empty(0, dtype=torch.int64)
-        victim.kv_committed_len = 0
+        victim.kv_committed_len = victim.kv_computed_len = 0
         victim.is_chunked = 0
         victim.epoch += 1
         self._requeue.append(victim)
@@ -279,7 +301,9 @@ class Scheduler:
     def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
         reqs = list(batch.reqs)
         mid_chunk = [batch.forward_mode.is_extend() and r.is_chunked > 0 for r in reqs]
-        lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], batch.forward_mode, mid_chunk)
+        lb = LaunchedBatch(
+            batch, reqs, [r.epoch for r in reqs], [r.kv_committed_len for r in reqs], batch.forward_mode, mid_chunk
+        )
         if lb.mode.is_extend():
             self.last_batch = lb
         return lb
@@ -296,6 +320,7 @@ class Scheduler:
         for i, req in enumerate(lb.reqs):
             if req.finished() or lb.epochs[i] != req.epoch:
                 continue  # finished/aborted/retracted after this batch was launched
+            req.kv_computed_len = max(req.kv_computed_len, lb.kv_lens[i])  # its KV is written now
             if lb.mid_chunk[i]:
                 continue  # a middle chunk: its sampled token means nothing
             tok = ids[i]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.cache.radix_cache import BasePrefixCache
+from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.scheduler.batch import Req
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy
 
