@@ -172,3 +172,54 @@ async def test_a_message_that_raises_fails_only_its_request(tiny_tok_folder, mon
         async with asyncio.timeout(TIMEOUT):
             again = await engine.generate(PROMPT, PARAMS, rid="doomed")
         assert again.finish_reason == "length"
+
+
+@pytest.mark.parametrize("victim", ["receiver", "dispatcher", "prefill_adder", "scheduler", "output_processor"])
+async def test_whichever_actor_dies_open_requests_end_at_once(tiny_tok_folder, monkeypatch, victim):
+    """An actor dies outside message handling (a bug): every open request ends with an error within
+    a second, the engine reports unhealthy, and a new request is refused with a typed error."""
+    from engine import EngineUnhealthyError
+    from engine.actors.dispatcher import Dispatcher
+    from engine.actors.output_processor import OutputProcessor
+    from engine.actors.overlap_scheduler import OverlapScheduler
+    from engine.actors.prefill_adder import PrefillAdderActor
+    from engine.actors.receiver import Receiver
+
+    classes = {
+        "receiver": Receiver,
+        "dispatcher": Dispatcher,
+        "prefill_adder": PrefillAdderActor,
+        "scheduler": OverlapScheduler,
+        "output_processor": OutputProcessor,
+    }
+    cls = classes[victim]
+    original = cls.run
+    trigger = asyncio.Event()
+
+    async def run_until_triggered(self) -> None:
+        """The actor's own loop, until the trigger: then it raises, as a bug would."""
+        body = asyncio.ensure_future(original(self))
+        fired = asyncio.ensure_future(trigger.wait())
+        await asyncio.wait({body, fired}, return_when=asyncio.FIRST_COMPLETED)
+        if not fired.done():  # the actor ended on its own (a stop): nothing to inject
+            fired.cancel()
+            return await body
+        body.cancel()
+        raise RuntimeError(f"injected crash of {victim}")
+
+    monkeypatch.setattr(cls, "run", run_until_triggered)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+    async with tiny_engine(tiny_tok_folder, max_running_requests=3) as engine:
+        streams = [engine.open_stream(PROMPT[: 20 + i], params) for i in range(4)]  # the 4th waits
+        async with asyncio.timeout(TIMEOUT):
+            assert (await anext(streams[0])).token_ids  # generating
+        trigger.set()
+        async with asyncio.timeout(1.0):  # every open request ends, with the error
+            for stream in streams:
+                deltas = [d async for d in stream]
+                assert deltas[-1].finish_reason == "abort" and victim in deltas[-1].error
+        assert not engine.healthy
+        with pytest.raises(EngineUnhealthyError):
+            engine.open_stream(PROMPT, PARAMS)
+        with pytest.raises(EngineUnhealthyError):
+            await engine.get_internal_state()

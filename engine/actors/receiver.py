@@ -19,7 +19,7 @@ import msgspec
 from engine.actors.messages import AbortReq, BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
 from engine.actors.runtime import Actor
 from engine.api import Prompt
-from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
+from engine.errors import ContextLengthExceededError, EngineUnhealthyError, InvalidRequestError, RequestTooLargeError
 from engine.sampling import SamplingParams
 
 DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
@@ -135,4 +135,4 @@ class Receiver(Actor):
         self.streams.clear()
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(RuntimeError(message))
+                fut.set_exception(EngineUnhealthyError(message))
