@@ -36,6 +36,8 @@ from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
+STREAM_CLOSE_TIMEOUT_S = 10.0
+
 
 class Engine:
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
@@ -46,6 +48,8 @@ class Engine:
         self._receiver: Receiver | None = None
         self._scheduler: OverlapScheduler | None = None
         self._stream: DeviceStream | None = None
+        self._died: asyncio.Event | None = None
+        self.death_reason: str | None = None  # why the engine turned unhealthy, once it has
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -57,7 +61,9 @@ class Engine:
         pool_tokens = runner.token_to_kv_pool_allocator.size
         self._stream = make_device_stream(runner.device, args.torch_threads)
         sched = Scheduler(runner, args)
-        scheduler = OverlapScheduler(sched, self._stream, args.resolved_enable_overlap())
+        scheduler = OverlapScheduler(
+            sched, self._stream, args.resolved_enable_overlap(), args.resolved_watchdog_timeout()
+        )
         adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
         dispatcher = Dispatcher(routing_table(adder, scheduler))
         output = OutputProcessor(self._tokenizer)
@@ -67,6 +73,7 @@ class Engine:
         output.receiver, output.dispatcher = receiver, dispatcher
         adder.scheduler, adder.output = scheduler, output
         scheduler.adder, scheduler.output, scheduler.replies = adder, output, receiver
+        self._died = asyncio.Event()
         self._system = ActorSystem(on_crash=self._on_crash)
         for actor in (receiver, dispatcher, adder, output, scheduler):
             self._system.add(actor)
@@ -83,7 +90,10 @@ class Engine:
             await self._system.stop_all()
             self._system = None
         if self._stream is not None:
-            await self._stream.aclose()
+            try:  # bounded: a device that hangs (the watchdog's case) must not hang shutdown too
+                await asyncio.wait_for(self._stream.aclose(), STREAM_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.error("the device stream did not drain within %s s; abandoning it", STREAM_CLOSE_TIMEOUT_S)
             self._stream = None
 
     async def __aenter__(self) -> Engine:
@@ -98,8 +108,21 @@ class Engine:
 
     def _on_crash(self, name: str, exc: BaseException) -> None:
         log.error("actor %s crashed: %r; failing open requests", name, exc)
+        reason = f"engine error in {name}: {exc!r}"
         if self._receiver is not None:  # its streams are plain queues: this works even if it crashed
-            self._receiver.fail_all(f"engine error in {name}: {exc!r}")
+            self._receiver.fail_all(reason)
+        if self.death_reason is None:
+            self.death_reason = reason
+        if self._died is not None:
+            self._died.set()
+
+    async def wait_unhealthy(self) -> str:
+        """Return once the engine has died (an actor crashed, the watchdog fired): why. A server
+        waits on this to exit non-zero so that its supervisor restarts it."""
+        if self._died is None:
+            raise EngineUnhealthyError("the engine is not started (use `async with Engine(...)`)")
+        await self._died.wait()
+        return self.death_reason or "unknown"
 
     def _check(self) -> Receiver:
         if self._system is None or self._receiver is None:

@@ -37,3 +37,7 @@ class RequestTooLargeError(InvalidRequestError):
 
 class EngineUnhealthyError(EngineError):
     """The engine lost an actor (or was never started) and cannot serve requests."""
+
+
+class WatchdogTimeoutError(EngineError):
+    """A forward ran past `watchdog_timeout`: the device (or a kernel) hangs; the engine is dead."""

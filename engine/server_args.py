@@ -52,6 +52,18 @@ class ServerArgs:
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None
+    # SGLang's watchdog: a forward still running after this many seconds means a hung device (or
+    # kernel): every thread's stack is logged, its requests fail, the engine turns unhealthy (the
+    # server then exits non-zero for its supervisor). None or <= 0 disables it.
+    watchdog_timeout: float | None = 300.0
+
+    def resolved_watchdog_timeout(self) -> float | None:
+        value = self.watchdog_timeout
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise InvalidRequestError(
+                f"watchdog_timeout must be a number of seconds, got {value!r}", "watchdog_timeout"
+            )
+        return None if value is None or value <= 0 else float(value)
 
     def resolved_enable_overlap(self) -> bool:
         return self.resolved_device().type == "cuda" if self.enable_overlap is None else self.enable_overlap

@@ -27,6 +27,11 @@ def positive_float(text: str) -> float:
     return _checked(value, value > 0, "> 0")
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    return _checked(value, value >= 0 and value != float("inf"), ">= 0 and finite")
+
+
 def request_rate(text: str) -> float:
     """Requests per second, > 0; `inf` sends everything at once."""
     value = float(text)

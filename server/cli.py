@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from server.arg_types import fraction, non_negative_int, port, positive_float, positive_int
+from server.arg_types import fraction, non_negative_float, non_negative_int, port, positive_float, positive_int
 from server.config import ServerConfig
 
 # Mirrors engine.actors.prefill_adder.SchedulePolicy.POLICIES (importing it would import torch).
@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: the crossover "
         "with the dense matmul, measured at start-up)",
     )
+    g.add_argument(
+        "--watchdog-timeout",
+        type=non_negative_float,
+        help="seconds a forward may run before the engine is declared hung: every thread's stack is "
+        "logged, its requests fail and the server exits with status 3 for its supervisor; 0 disables "
+        "(default: 300)",
+    )
     return p
 
 
@@ -171,6 +178,7 @@ _ENGINE_OPTIONS = (
     "schedule_policy",
     "torch_threads",
     "q4_max_tokens",
+    "watchdog_timeout",
 )
 
 

@@ -18,6 +18,8 @@ from server.config import ServerConfig
 
 log = logging.getLogger("server")
 
+EXIT_ENGINE_DIED = 3  # the engine died while serving (an actor crashed, the watchdog fired)
+
 
 def _fail(message: str, config: ServerConfig) -> int:
     if config.log_level == "debug":
@@ -63,7 +65,14 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
             f"max_running_requests={info.max_running_requests}]",
             flush=True,
         )
-        await stop.wait()
+        stopped, died = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.wait_unhealthy())
+        await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if died.done() and not stopped.done():  # exit non-zero: the supervisor restarts us
+            code = EXIT_ENGINE_DIED
+            print(f"error: the engine died ({died.result()}); exiting with status {code}", file=sys.stderr, flush=True)
+        stopped.cancel()
+        died.cancel()
         state = app[STATE]
         state.draining = True
         print(
@@ -73,7 +82,7 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         )
         await runner.cleanup()  # closes the listener, drains handlers within shutdown_timeout
         runner = None
-        return 0
+        return code
     finally:
         if runner is not None:
             await runner.cleanup()

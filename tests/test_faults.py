@@ -223,3 +223,41 @@ async def test_whichever_actor_dies_open_requests_end_at_once(tiny_tok_folder, m
             engine.open_stream(PROMPT, PARAMS)
         with pytest.raises(EngineUnhealthyError):
             await engine.get_internal_state()
+
+
+async def test_watchdog_fails_a_hung_forward_and_marks_the_engine_dead(tiny_tok_folder, monkeypatch, caplog):
+    import logging
+    import time
+
+    from engine import EngineUnhealthyError
+
+    real = ModelRunner.forward_batch_generation
+    release = threading.Event()
+    calls = {"n": 0}
+
+    def hang_on_third(runner, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            release.wait(60)  # a device that stopped answering
+        return real(runner, batch)
+
+    monkeypatch.setattr(ModelRunner, "forward_batch_generation", hang_on_third)
+    params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    try:
+        async with tiny_engine(tiny_tok_folder, watchdog_timeout=2.0) as engine:
+            with caplog.at_level(logging.ERROR):
+                t0 = time.perf_counter()
+                async with asyncio.timeout(30):
+                    results = await asyncio.gather(*(engine.generate(PROMPT[: 30 + i], params) for i in range(3)))
+                waited = time.perf_counter() - t0
+            release.set()
+            assert all(r.finish_reason == "abort" and "did not complete within 2.0 s" in r.error for r in results)
+            assert 2.0 <= waited < 10.0
+            assert not engine.healthy
+            with pytest.raises(EngineUnhealthyError):
+                engine.open_stream(PROMPT, PARAMS)
+            log = caplog.text
+            assert "watchdog: a DECODE forward of 3 request(s)" in log and "stacks of every thread" in log
+            assert "device-stream" in log and "hang_on_third" in log  # the hung thread's own stack
+    finally:
+        release.set()

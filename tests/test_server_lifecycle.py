@@ -38,6 +38,7 @@ def test_help_names_every_flag():
         "--served-model-name",
         "--context-length",
         "--dtype",
+        "--watchdog-timeout",
         "--max-running-requests",
         "--max-total-tokens",
         "--mem-fraction-static",
@@ -134,3 +135,61 @@ async def test_sigterm_finishes_in_flight_stream_and_exits_0(tiny_model_dir, tmp
         assert "Shutting down" in srv.log_tail()
     finally:
         srv.stop()
+
+
+async def test_engine_death_ends_streams_and_exits_3(tiny_model_dir, monkeypatch):
+    """A hung forward trips the watchdog: the open stream ends with an error event and [DONE], and
+    the server drains and exits 3 so its supervisor restarts it (an unhealthy engine's 503s are
+    tested in process: test_server_errors.py)."""
+    import asyncio
+    import threading
+
+    from engine.model_executor.model_runner import ModelRunner
+    from server import ServerConfig
+    from server.launch import EXIT_ENGINE_DIED, serve
+    from tests.server_helpers import free_port
+
+    real = ModelRunner.forward_batch_generation
+    release, calls = threading.Event(), {"n": 0}
+
+    def hang_on_fourth(runner, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            release.wait(60)
+        return real(runner, batch)
+
+    monkeypatch.setattr(ModelRunner, "forward_batch_generation", hang_on_fourth)
+    port = free_port()
+    config = ServerConfig(model_path=tiny_model_dir, port=port, graceful_shutdown_timeout=5)
+    options = {
+        "dtype": "float32",
+        "device": "cpu",
+        "torch_threads": 1,
+        "max_total_tokens": 4096,
+        "watchdog_timeout": 1.5,
+    }
+    server = asyncio.create_task(serve(options, config))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with asyncio.timeout(120):
+                while True:  # wait for the server to listen
+                    try:
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientConnectionError:
+                        pass
+                    await asyncio.sleep(0.1)
+            body = {"prompt": "hello there", "max_tokens": 50, "stream": True, "ignore_eos": True}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                events = [line async for line in r.content if line.strip()]
+            assert b"[DONE]" in events[-1]
+            error = json.loads(events[-2].decode().removeprefix("data: "))["error"]
+            assert "did not complete within 1.5 s" in error["message"]
+        assert await asyncio.wait_for(server, 60) == EXIT_ENGINE_DIED
+    finally:
+        release.set()
+        if not server.done():
+            server.cancel()

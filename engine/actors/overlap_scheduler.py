@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
+import threading
+import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,7 +48,7 @@ from engine.actors.messages import (
 from engine.actors.runtime import Actor
 from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, WatchdogTimeoutError
 from engine.scheduler.batch import FinishReason, Req
 from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler, check_internal_state
 from engine.scheduler.step import TimedResult, run_batch
@@ -74,11 +78,18 @@ class OverlapScheduler(Actor):
         WaitingCount,
     )
 
-    def __init__(self, scheduler: Scheduler, stream: DeviceStream, enable_overlap: bool = True) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        stream: DeviceStream,
+        enable_overlap: bool = True,
+        watchdog_timeout: float | None = None,
+    ) -> None:
         super().__init__("scheduler")
         self.sched = scheduler
         self.stream = stream
         self.enable_overlap = enable_overlap
+        self.watchdog_timeout = watchdog_timeout  # seconds a forward may run; None: no watchdog
         self.adder: Actor | None = None  # PrefillAdderActor: PlanPrefillReq, RequeueReqs, forwarded aborts
         self.output: Actor | None = None  # OutputProcessor: BatchTokenOut
         self.replies: Actor | None = None  # Receiver: ControlReply
@@ -131,8 +142,13 @@ class OverlapScheduler(Actor):
 
     async def _finish(self, inflight: InFlight) -> None:
         lb, fut = inflight.lb, inflight.handle.future
+        deadline = None if self.watchdog_timeout is None else lb.launched_at + self.watchdog_timeout
         while True:  # wait for the device, serving messages (aborts, control) meanwhile
-            msg, done = await self.recv_or(fut)
+            remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            try:
+                msg, done = await self.recv_or(fut, remaining)
+            except TimeoutError:
+                self._watchdog_fired(lb)
             if msg is not None:
                 self.contain(self._handle, msg)
             if done:
@@ -147,6 +163,25 @@ class OverlapScheduler(Actor):
             out = self.sched.process_batch_result(lb, result)
         if out.rids:
             self.output.send(out)
+
+    def _watchdog_fired(self, lb: LaunchedBatch) -> None:
+        """A forward hangs: log every thread's stack, fail its requests, and die (the engine turns
+        unhealthy; `on_crash` fails every other request this scheduler holds)."""
+        waited = time.perf_counter() - lb.launched_at
+        log.error(
+            "watchdog: a %s forward of %d request(s) has run for %.1f s (watchdog_timeout=%s s); "
+            "stacks of every thread:\n%s",
+            lb.mode.name,
+            len(lb.reqs),
+            waited,
+            self.watchdog_timeout,
+            all_thread_stacks(),
+        )
+        error = WatchdogTimeoutError(f"the forward did not complete within {self.watchdog_timeout} s")
+        out = self.sched.fail_batch(lb, error)
+        if out.rids:
+            self.output.send(out)
+        raise error
 
     def _needs_sync(self) -> bool:
         return any(r.sampling_params.has_penalties() for r in self.sched.running_batch.reqs)
@@ -215,3 +250,12 @@ class OverlapScheduler(Actor):
             req.abort(f"engine error: {exc!r}")
         if reqs and self.output is not None and self.output.running:
             self.output.send(BatchTokenOut.finished(reqs))
+
+
+def all_thread_stacks() -> str:
+    """Every thread's current stack, as text (what the watchdog logs)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- thread {names.get(ident, '?')} ({ident}) ---\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )

@@ -198,7 +198,7 @@ class Actor:
             await self._wait()
 
     async def recv_or(
-        self, fut: asyncio.Future[Any] | concurrent.futures.Future[Any]
+        self, fut: asyncio.Future[Any] | concurrent.futures.Future[Any], timeout: float | None = None
     ) -> tuple[msgspec.Struct | None, bool]:
         """Wait until a message arrives or `fut` completes; return `(msg or None, fut.done())`.
 
@@ -206,6 +206,7 @@ class Actor:
         `fut` is neither consumed nor cancelled, so the caller reads its result when `done` is
         True and may pass it again otherwise. Queued messages win over a finished future, so a
         caller that loops drains its mailbox first. Waiting uses a done-callback, not polling.
+        With `timeout` (seconds), TimeoutError when neither came in that time (`fut` untouched).
         """
         if isinstance(fut, concurrent.futures.Future):
             fut = asyncio.wrap_future(fut)
@@ -219,17 +220,22 @@ class Actor:
                     waiter.set_result(None)
 
             fut.add_done_callback(wake)
+            timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, wake, None)
             try:
                 await waiter
             finally:
                 fut.remove_done_callback(wake)
+                if timer is not None:
+                    timer.cancel()
                 self._clear_waiter(waiter)
         if self._mailbox:
             self._received += 1
             return self._mailbox.popleft(), fut.done()
         if fut.done():
             return None, True
-        raise _StopSignal
+        if self._stop_requested:
+            raise _StopSignal
+        raise TimeoutError(f"actor {self.name!r}: nothing within {timeout} s")
 
     def _new_waiter(self) -> asyncio.Future[None]:
         if self._waiter is not None and not self._waiter.done():
