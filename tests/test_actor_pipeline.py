@@ -23,13 +23,13 @@ from engine.actors.messages import (
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
-    PlanPrefillReq,
-    PrefillPlanReply,
     SetInternalStateReq,
     StopStrMatched,
     TokenizedGenerateReq,
     WaitingCount,
 )
+from engine.actors.overlap_scheduler import OverlapScheduler
+from engine.actors.prefill_adder import PrefillAdderActor
 from engine.actors.runtime import Actor
 from engine.scheduler.scheduler import Scheduler
 from tests.sched_harness import build_tiny_folder, make_runner, new_req, random_prompts
@@ -49,19 +49,11 @@ class Sink(Actor):
 
 
 class AdderSink(Sink):
-    accepts = (TokenizedGenerateReq, PlanPrefillReq, AbortReq, StopStrMatched)
+    accepts = PrefillAdderActor.accepts
 
 
 class SchedulerSink(Sink):
-    accepts = (
-        AbortReq,
-        StopStrMatched,
-        FlushCacheReq,
-        GetInternalStateReq,
-        SetInternalStateReq,
-        PrefillPlanReply,
-        WaitingCount,
-    )
+    accepts = OverlapScheduler.accepts
 
 
 async def test_dispatcher_routes_each_type_to_its_actor():
