@@ -16,7 +16,6 @@ import torch
 
 from engine.cache.memory_pool import KVCache
 from engine.kernels import cpu_attention
-from engine.layers import shared_prefix
 from engine.layers.attention_ops import HeadLayout, PlannedAttnBackend, decode_rows
 from engine.layers.cascade import CascadeDecodePlan
 from engine.layers.shared_prefix import SharedPrefixPlan
@@ -75,15 +74,11 @@ class KernelExtendPlan:
 class CpuAttnBackend(PlannedAttnBackend):
     """The C++ kernel backend (`--attention-backend cpu`); see the module docstring."""
 
-    def __init__(self, layout: HeadLayout, cascade: bool = True) -> None:
-        super().__init__(layout)
-        self.cascade = cascade  # decode shared prefixes once per group (ServerArgs.disable_cascade_attention)
-
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
         if fb.forward_mode.is_decode():
             rows, _ = decode_rows(fb)
-            shared = shared_prefix.plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
+            shared = self.shared_prefix_plan(rows, fb)
             if shared is not None:
                 self.plan = KernelCascadePlan(self.layout, pool, shared)
             else:  # on a CPU fb.seq_lens is the host int64 tensor the kernel takes

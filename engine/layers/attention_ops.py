@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from engine.layers import shared_prefix
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -45,9 +46,14 @@ class AttentionPlan(Protocol):
 class PlannedAttnBackend(ABC):
     """Base of the backends that write K/V through the pool and attend through a per-forward plan."""
 
-    def __init__(self, layout: HeadLayout) -> None:
+    def __init__(self, layout: HeadLayout, cascade: bool = True) -> None:
         self.layout = layout
+        self.cascade = cascade  # decode shared prefixes once per group (ServerArgs.disable_cascade_attention)
         self.plan: AttentionPlan | None = None
+
+    def shared_prefix_plan(self, rows: torch.Tensor, fb: ForwardBatch) -> shared_prefix.SharedPrefixPlan | None:
+        """The cascade plan for a decode batch's slot rows, or None (off, or not worth it)."""
+        return shared_prefix.plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

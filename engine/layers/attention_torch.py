@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.memory_pool import KVCache
-from engine.layers import shared_prefix
 from engine.layers.attention_ops import HeadLayout, PlannedAttnBackend, attend_rows, decode_rows, gather_heads
 from engine.layers.cascade import CascadeDecodePlan
 from engine.model_executor.forward_batch_info import ForwardBatch
@@ -90,15 +89,11 @@ class TorchExtendPlan:
 class TorchAttnBackend(PlannedAttnBackend):
     """The pure-torch backend (`--attention-backend torch`); see the module docstring."""
 
-    def __init__(self, layout: HeadLayout, cascade: bool = True) -> None:
-        super().__init__(layout)
-        self.cascade = cascade  # decode shared prefixes once per group (ServerArgs.disable_cascade_attention)
-
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
         if fb.forward_mode.is_decode():
             rows, max_len = decode_rows(fb)
-            shared = shared_prefix.plan_shared_prefix(rows, fb.seq_lens_cpu) if self.cascade else None
+            shared = self.shared_prefix_plan(rows, fb)
             if shared is not None:
                 self.plan = TorchCascadePlan(self.layout, pool, shared)
                 return
