@@ -14,13 +14,18 @@ matches all of it (also when the leader is a chunked prefill that has cached onl
 `PrefillAdder` then walks that order and admits requests while three budgets hold:
 
 - rem_total_tokens: free + evictable KV minus what the running decodes will still need
-  (their remaining max_new_tokens, clipped, times `new_token_ratio`);
+  (their remaining max_new_tokens, clipped, times `new_token_ratio`), minus the evictable tokens
+  the admitted prefixes will lock (a locked prefix stops being evictable: without this, a request
+  just retracted would count its own cached KV as room for itself and be re-admitted at once);
 - rem_input_tokens: `max_prefill_tokens` of new prompt tokens per prefill batch;
 - rem_chunk_tokens: `chunked_prefill_size`; a prompt longer than what is left is cut into a
   chunk and continued first next round (only one chunked request at a time).
 
-Both read the radix tree (`match_prefix`) but never lock or free anything: the scheduler, which
-owns memory, locks the admitted requests' prefixes when it applies the plan (waiting_queue.py).
+Both read the radix tree (`match_prefix`) but never keep a lock or free anything: the scheduler,
+which owns memory, locks the admitted requests' prefixes when it applies the plan
+(waiting_queue.py). To measure what those locks will take from the evictable pool, `PrefillAdder`
+locks and unlocks at once (`locked_prefix_tokens`), which leaves the tree as it was; it runs inside
+the scheduler's plan round trip, while nothing else touches the tree.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.cache.base_prefix_cache import BasePrefixCache
+from engine.cache.base_prefix_cache import BasePrefixCache, PrefixNode
 from engine.scheduler.batch import Req
 
 # A running request's future need is estimated from at most this many of its remaining tokens.
@@ -37,6 +42,14 @@ CLIP_MAX_NEW_TOKENS = 4096
 LPM_FALLBACK_QUEUE_LEN = 128
 # Requests whose first this-many tokens are equal share a prefix worth waiting one round for.
 IN_BATCH_PREFIX_LEN = 32
+
+
+def admission_need(req: Req, page_size: int) -> int:
+    """What admitting `req` takes from the total budget: its whole uncached prompt (every chunk of
+    it, in pages) and its remaining max_new_tokens (clipped)."""
+    uncached = len(req.origin_input_ids) + len(req.output_ids) - len(req.prefix_indices)
+    remaining = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+    return -(-uncached // page_size) * page_size + remaining
 
 
 def prompt_head(req: Req) -> tuple[int, ...] | None:
@@ -101,6 +114,7 @@ class PrefillAdder:
     new_chunked_req: Req | None = None
     log_hit_tokens: int = 0
     log_input_tokens: int = 0
+    admitted_nodes: list[PrefixNode] = field(default_factory=list)  # prefixes the plan will lock
 
     @staticmethod
     def running_reservation(running: list[Req], new_token_ratio: float) -> int:
@@ -118,17 +132,34 @@ class PrefillAdder:
         req.init_next_round_input()  # no re-match: it keeps its own (partly uncached) prefix
         return self._add(req)
 
+    def locked_prefix_tokens(self, extra: PrefixNode = None) -> int:
+        """Evictable tokens that the prefixes admitted so far (and `extra`'s) will lock.
+
+        Measured as the drop in `evictable_size()` while they are all locked, so a prefix shared
+        by several admitted requests counts once and one already locked by a running request
+        counts zero. The locks are released before returning.
+        """
+        nodes = [*self.admitted_nodes, extra] if extra is not None else self.admitted_nodes
+        if not nodes:
+            return 0
+        before = self.tree_cache.evictable_size()
+        for node in nodes:
+            self.tree_cache.inc_lock_ref(node)
+        locked = before - self.tree_cache.evictable_size()
+        for node in reversed(nodes):
+            self.tree_cache.dec_lock_ref(node)
+        return locked
+
     def add_one_req(self, req: Req) -> bool:
         """Try to admit a waiting request; False means stop adding (a budget is exhausted)."""
         if len(self.can_run_list) >= self.max_new_reqs:
             return False
         req.init_next_round_input(self.tree_cache)
-        total_need = self._page_ceil(req.extend_input_len) + min(
-            req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS
-        )
-        if total_need > self.rem_total_tokens and self.can_run_list:
-            return False
-        if self._page_ceil(req.extend_input_len) + self.page_size > self.rem_total_tokens:
+        total_need = admission_need(req, self.page_size)
+        rem_total = self.rem_total_tokens - self.locked_prefix_tokens(req.last_node)
+        if total_need > rem_total and self.can_run_list:
+            return False  # the first may exceed it: see `Scheduler.overcommits`
+        if self._page_ceil(req.extend_input_len) + self.page_size > rem_total:
             return False  # not even its prompt fits now
         if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
             return False
@@ -139,6 +170,8 @@ class PrefillAdder:
         self.log_hit_tokens += len(req.prefix_indices)
         self.log_input_tokens += len(req.prefix_indices) + req.extend_input_len
         self._add(req)
+        if req.last_node is not None:
+            self.admitted_nodes.append(req.last_node)
         self.rem_total_tokens -= min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
         return self.new_chunked_req is None
 

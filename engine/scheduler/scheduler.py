@@ -39,16 +39,19 @@ from engine.model_executor.forward_batch_info import ForwardMode
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
 from engine.scheduler.output import BatchTokenOut
-from engine.scheduler.policy import PrefillAdder, SchedulePolicy, prompt_head
+from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
+from engine.scheduler.retraction import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    RETRACT_DECODE_STEPS,
+    decode_need,
+    retract_ratio,
+)
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan, PrefillPlanner
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
-
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
-RETRACT_DECODE_STEPS = 20
 
 
 class MemoryLeakError(RuntimeError):
@@ -105,6 +108,7 @@ class Scheduler:
         self.reqs_by_rid: dict[str, Req] = {}  # every request this scheduler holds
         self.num_waiting = 0  # the planner's queue length, as its owner last reported it
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.ran_since_idle = False  # a batch was planned since the scheduler was last idle
         self._requeue: list[Req] = []  # outbox: back to the waiting queue's head, in order
         self._self_aborted: list[Req] = []  # outbox: ended here, to be reported to their clients
         # stats
@@ -202,15 +206,26 @@ class Scheduler:
 
     def next_batch(self, plan: PrefillPlan | None) -> ScheduleBatch | None:
         """Finish the round: the planned prefill batch if it can be placed, else a decode batch."""
+        batch = self._place_prefill(plan) if plan is not None else None
         if plan is not None:
             self.num_waiting = plan.num_waiting
-            batch = self._place_prefill(plan)
-            if batch is not None:
-                return batch
-        self.running_batch.filter_batch()
-        if self.running_batch.is_empty():
-            return None
-        return self.update_running_batch(self.running_batch)
+        if batch is None:
+            self.running_batch.filter_batch()
+            if not self.running_batch.is_empty():
+                batch = self.update_running_batch(self.running_batch)
+        if batch is not None:
+            self.ran_since_idle = True
+        elif self.ran_since_idle and self.is_idle():
+            self.on_idle()
+        return batch
+
+    def on_idle(self) -> None:
+        """The engine just went idle: the next burst starts from the initial `new_token_ratio`
+        (SGLang's idle reset). A ratio raised by this burst's retractions, or decayed by its long
+        decodes, says nothing about the next one. Only on the busy -> idle edge, so a ratio set
+        while idle (`set_internal_state`) holds until the end of the next burst."""
+        self.ran_since_idle = False
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def _place_prefill(self, plan: PrefillPlan) -> ScheduleBatch | None:
         """Lock the planned prefixes, evict, allocate; hand the requests back if they do not fit."""
@@ -221,9 +236,11 @@ class Scheduler:
         for req in fresh:
             self.tree_cache.inc_lock_ref(req.last_node)
         batch = self._new_batch(can_run)
-        need = sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in can_run)
-        self._evict_for(need)
-        if not batch.prepare_for_extend():
+        fits = not self.overcommits(plan)  # checked first: a plan handed back evicts nothing
+        if fits:
+            self._evict_for(sum(-(-r.extend_input_len // self.page_size) * self.page_size for r in can_run))
+            fits = batch.prepare_for_extend()
+        if not fits:
             for req in fresh:
                 self.tree_cache.dec_lock_ref(req.last_node)
             self._requeue.extend(fresh)
@@ -235,42 +252,62 @@ class Scheduler:
         self.prompt_tokens += plan.input_tokens
         return batch
 
+    def overcommits(self, plan: PrefillPlan) -> bool:
+        """Whether a plan (its prefixes locked) takes room the running requests are reserved.
+
+        The planner admits the first request of a round even past the total budget, so that one
+        larger than what is free still runs once nothing else does. While requests are running it
+        must wait: admitted now, it would soon be retracted (it has the least progress), re-admitted
+        and retracted again, each time re-prefilled. A continued chunk was admitted earlier.
+        """
+        running = self.running_batch.reqs
+        if not running or self.chunked_req in plan.reqs:
+            return False
+        room = self.allocator.available_size() + self.tree_cache.evictable_size()
+        room -= PrefillAdder.running_reservation(running, self.new_token_ratio)
+        return sum(admission_need(r, self.page_size) for r in plan.reqs) > room
+
     def _evict_for(self, need: int) -> None:
         short = need - self.allocator.available_size()
         if short > 0:
             self.tree_cache.evict(short)
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
-        """Make room for one more token per running request (retracting if needed), then decode."""
-        need = len(batch.reqs) * self.page_size
-        self._evict_for(need)
-        retracted = []
-        while self.allocator.available_size() < need and batch.reqs:
-            retracted.append(self.retract_one(batch))
-            need = len(batch.reqs) * self.page_size
-            self._evict_for(need)
-        if retracted:
+        """Make room for one more token per running request, then decode. If there is none,
+        retract (`retract_one`) until those left have room for `RETRACT_DECODE_STEPS` more tokens
+        each, and raise `new_token_ratio` so admission does not refill that room at once."""
+        if not self._has_room(batch.reqs, 1):
+            retracted = []
+            while batch.reqs and not self._has_room(batch.reqs, RETRACT_DECODE_STEPS):
+                if len(batch.reqs) == 1 and self._has_room(batch.reqs, 1):
+                    break  # the last one decodes as long as it can (it may finish in time)
+                retracted.append(self.retract_one(batch))
             self.num_retractions += len(retracted)
-            total_max = sum(r.sampling_params.max_new_tokens for r in batch.reqs) or 1
-            decoded = sum(len(r.output_ids) for r in batch.reqs)
-            ratio = (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / total_max
-            self.new_token_ratio = min(1.0, max(self.new_token_ratio, ratio))
+            self.new_token_ratio = max(self.new_token_ratio, retract_ratio(batch.reqs))
             log.info("retracted %d request(s); new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
         else:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if batch.is_empty():
             return None
         if not batch.prepare_for_decode(inputs_on_device=True):
-            return None  # cannot happen after the loop above; be safe rather than crash
+            return None  # cannot happen after the checks above; be safe rather than crash
         return batch
 
+    def _has_room(self, reqs: list[Req], steps: int) -> bool:
+        """Whether `reqs` can decode `steps` more tokens each, evicting cached KV if that helps."""
+        need = decode_need(reqs, steps, self.page_size)
+        self._evict_for(need)
+        return self.allocator.available_size() >= need
+
     def retract_one(self, batch: ScheduleBatch) -> Req:
-        """Send the request with the least progress back to the waiting queue, freeing its KV.
+        """Send a request back to the waiting queue, freeing its KV: the one retracted fewest
+        times so far, then the one with the least progress (SGLang's order, which alone would
+        pick a request just re-admitted, stalled behind the others, again and again).
 
         A request alone in the batch that still cannot grow is aborted: it will never fit.
         """
         reqs = batch.reqs
-        victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        victim = min(reqs, key=lambda r: (r.epoch, len(r.output_ids), -len(r.origin_input_ids)))
         batch.filter_batch([i for i, r in enumerate(reqs) if r is not victim])
         # Alone and already holding (or needing) the whole pool: retracting it would only put its
         # own KV into the tree, re-admit it on that prefix and retract it again, forever.
