@@ -148,6 +148,7 @@ class StopStringMatcher:
     def __init__(self, stop_strs: Sequence[str]) -> None:
         self._stops = tuple(dict.fromkeys(s for s in stop_strs if s))  # dedupe, keep order, drop ""
         self._max_partial = max((len(s) for s in self._stops), default=1) - 1
+        self._firsts = frozenset(s[0] for s in self._stops)  # a partial match must start with one
         self._held = ""
         self.matched: str | None = None
 
@@ -173,6 +174,8 @@ class StopStringMatcher:
     def _partial_start(self, text: str) -> int:
         """Start of the longest tail of `text` that is a proper prefix of some stop string."""
         for i in range(max(0, len(text) - self._max_partial), len(text)):
+            if text[i] not in self._firsts:
+                continue
             tail = text[i:]
             if any(stop.startswith(tail) for stop in self._stops):
                 return i

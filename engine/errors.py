@@ -35,9 +35,25 @@ class RequestTooLargeError(InvalidRequestError):
     """A request can never fit the KV pool, however empty the engine is."""
 
 
+class InvalidServerArgsError(InvalidRequestError):
+    """An engine option cannot work: a non-positive size, a context longer than the model's, a KV
+    pool too small for one request. Raised at start-up, before memory is allocated; the server
+    exits with status 2 on it, as for a bad flag."""
+
+
 class EngineUnhealthyError(EngineError):
     """The engine lost an actor (or was never started) and cannot serve requests."""
 
 
 class WatchdogTimeoutError(EngineError):
     """A forward ran past `watchdog_timeout`: the device (or a kernel) hangs; the engine is dead."""
+
+
+class GrammarCompileTimeoutError(InvalidRequestError):
+    """A request's grammar (json_schema / regex / ebnf) did not compile within the compile timeout.
+
+    A 4xx, not a 5xx: the spec is what is too expensive, and the same spec will time out again
+    (the server should answer 400 with code "grammar_compile_timeout"). The compile itself cannot
+    be interrupted: it finishes in the background and lands in the grammar cache, so a retry of
+    the same spec may then succeed at once.
+    """

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, InvalidServerArgsError
+
+log = logging.getLogger(__name__)
+
+# SGLang's switch for a --context-length beyond the model's max_position_embeddings: positions
+# the model was never trained on give garbage, so it takes this explicit opt-in.
+ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+# The smallest KV pool that can serve one real request: a chat-templated prompt and an answer.
+MIN_POOL_TOKENS = 256
+SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -28,7 +39,7 @@ class ServerArgs:
     max_total_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction_static
     mem_fraction_static: float | None = None  # share of free memory for the KV pool
     max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = 2048  # None or <= 0 disables chunking
+    chunked_prefill_size: int | None = 2048  # None or -1 disables chunking
     page_size: int = 1
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
@@ -56,6 +67,75 @@ class ServerArgs:
     # kernel): every thread's stack is logged, its requests fail, the engine turns unhealthy (the
     # server then exits non-zero for its supervisor). None or <= 0 disables it.
     watchdog_timeout: float | None = 300.0
+
+    def verify(self) -> None:
+        """Raise `InvalidServerArgsError` naming the first option that cannot work.
+
+        Checked before anything loads, so a typo costs a second, not a model load. Options that
+        depend on the model (the context length, the pool size) are checked by `check_context_length`
+        and `check_pool` once its config is read.
+        """
+
+        def fail(name: str, rule: str) -> None:
+            raise InvalidServerArgsError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                fail(name, "an integer >= 1")
+        for name in ("context_length", "max_total_tokens", "torch_threads", "cuda_graph_max_bs"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                fail(name, "an integer >= 1")
+        chunk = self.chunked_prefill_size
+        if chunk is not None and not (is_int(chunk) and (chunk == -1 or chunk >= 1)):
+            fail("chunked_prefill_size", "-1 (no chunking) or an integer >= 1")
+        frac = self.mem_fraction_static
+        if frac is not None and not (isinstance(frac, (int, float)) and 0.0 < frac <= 1.0):
+            fail("mem_fraction_static", "a fraction in (0, 1]")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            fail("schedule_policy", f"one of {', '.join(SCHEDULE_POLICIES)}")
+        try:
+            self.resolved_watchdog_timeout()
+            self.resolved_q4_max_tokens()
+        except InvalidRequestError as e:
+            raise InvalidServerArgsError(e.message, e.param) from None
+
+    def check_context_length(self, model_context_len: int) -> int:
+        """The context length to serve: the model's, or a shorter `context_length`; a longer one
+        only with SGLang's opt-in environment variable."""
+        if self.context_length is None:
+            return model_context_len
+        if self.context_length > model_context_len:
+            if os.environ.get(ALLOW_LONGER_CONTEXT_ENV, "").lower() not in ("1", "true"):
+                raise InvalidServerArgsError(
+                    f"context_length {self.context_length} is longer than the model's {model_context_len} positions; "
+                    f"set {ALLOW_LONGER_CONTEXT_ENV}=1 to use it anyway",
+                    "context_length",
+                )
+            log.warning("context_length %d exceeds the model's %d positions", self.context_length, model_context_len)
+        return self.context_length
+
+    def check_pool(self, pool_tokens: int, context_len: int) -> None:
+        """A KV pool must hold one real request (see MIN_POOL_TOKENS); one smaller than the context
+        length is allowed (memory is shared and reclaimed) but longer prompts are then refused."""
+        need = min(MIN_POOL_TOKENS, context_len)
+        if pool_tokens < need:
+            raise InvalidServerArgsError(
+                f"the KV cache pool holds {pool_tokens} tokens, too few for one request (at least {need}); "
+                "raise max_total_tokens or mem_fraction_static",
+                "max_total_tokens",
+            )
+        if pool_tokens < context_len:
+            log.warning(
+                "the KV pool (%d tokens) is smaller than the context length (%d): prompts of "
+                "%d tokens or more will be refused",
+                pool_tokens,
+                context_len,
+                pool_tokens,
+            )
 
     def resolved_watchdog_timeout(self) -> float | None:
         value = self.watchdog_timeout

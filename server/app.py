@@ -2,12 +2,13 @@
 
 Middlewares, outermost first:
   errors    - any failure becomes OpenAI's error body with the right status; a bug is a logged 500
-  api_key   - `Authorization: Bearer <key>` when --api-key is set (401 otherwise); /health* and
-              /metrics stay open for probes and scrapers, as in SGLang
+  connection limit - a request on a connection past --max-connections gets 503 (server/http_protocol.py)
+  api_key   - `Authorization: Bearer <key>` when --api-key is set (401 otherwise); /health*,
+              /metrics and /openapi.json stay open for probes, scrapers and client generators
   body_size - 413 from the Content-Length header, before reading (aiohttp's client_max_size
               catches chunked bodies)
-Run it with `web.AppRunner(app, handler_cancellation=True)`: a client that disconnects then
-cancels its handler, which aborts its generations (see server/generation.py).
+Run it with `http_protocol.ApiRunner(app, handler_cancellation=True)`: a client that disconnects
+then cancels its handler, which aborts its generations (see server/generation.py).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import logging
 from aiohttp import web
 
 from engine import Engine
-from server import native_api, openai_api, ws
+from server import native_api, openai_api, openapi, ws
 from server.config import ServerConfig
 from server.errors import ApiError, to_api_error
+from server.http_protocol import connection_limit_middleware
 from server.state import STATE, ServerState
 
 log = logging.getLogger(__name__)
 
-_OPEN_PATHS = ("/health", "/metrics")  # prefixes that need no API key
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # prefixes that need no API key
 
 
 @web.middleware
@@ -68,6 +70,7 @@ def _body_size_middleware(limit: int):
                 413,
                 f"the request body has {request.content_length} bytes; the limit is {limit}",
                 code="request_entity_too_large",
+                close=True,  # rather than read (and drop) the oversized body
             )
         return await handler(request)
 
@@ -86,7 +89,7 @@ async def _begin_drain(app: web.Application) -> None:
 
 def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     """The application for an already started `engine`."""
-    middlewares = [errors_middleware]
+    middlewares = [errors_middleware, connection_limit_middleware]
     if config.api_key:
         middlewares.append(_api_key_middleware(config.api_key))
     middlewares.append(_body_size_middleware(config.max_body_size))
@@ -96,6 +99,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     openai_api.add_routes(app)
     native_api.add_routes(app)
     ws.add_routes(app)
+    openapi.add_routes(app)  # GET /openapi.json, built on startup from every route
     if config.enable_metrics:
         app.router.add_get("/metrics", _metrics_handler)
     return app

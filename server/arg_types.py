@@ -53,3 +53,9 @@ def unit_interval(text: str) -> float:
 def port(text: str) -> int:
     value = int(text)
     return _checked(value, 0 <= value <= 65535, "in [0, 65535]")
+
+
+def chunk_size(text: str) -> int:
+    """--chunked-prefill-size: -1 disables chunking (SGLang's spelling), else a size >= 1."""
+    value = int(text)
+    return _checked(value, value == -1 or value >= 1, "-1 (no chunking) or >= 1")

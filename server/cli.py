@@ -12,10 +12,18 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from server.arg_types import fraction, non_negative_float, non_negative_int, port, positive_float, positive_int
+from server.arg_types import (
+    chunk_size,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from server.config import ServerConfig
 
-# Mirrors engine.actors.prefill_adder.SchedulePolicy.POLICIES (importing it would import torch).
+# Mirrors engine.server_args.SCHEDULE_POLICIES (importing it would import torch).
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 # SGLang's dtype spellings; the engine knows the canonical ones.
 DTYPES = {
@@ -108,6 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerConfig.health_check_timeout,
         help="seconds GET /health_generate waits for its token before answering 503 (default: %(default)s)",
     )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=positive_float,
+        default=ServerConfig.timeout_keep_alive,
+        help="seconds an idle connection, or one whose request headers are still arriving, stays open "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--body-read-timeout",
+        type=positive_float,
+        default=ServerConfig.body_read_timeout,
+        help="seconds a request body may take to arrive; slower ones get 408 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=ServerConfig.max_connections,
+        help="open connections (HTTP and WebSocket) beyond this many get 503 and are closed (default: %(default)s)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-running-requests", type=positive_int, help="requests decoded together (default: 128)")
@@ -120,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens", type=positive_int, help="token budget of one prefill batch (default: 16384)")
     g.add_argument(
         "--chunked-prefill-size",
-        type=int,
+        type=chunk_size,
         help="split long prompts into chunks of this many tokens; -1 disables (default: 2048)",
     )
     g.add_argument("--page-size", type=positive_int, help="tokens per KV page (default: 1)")
@@ -211,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         max_body_size=ns.max_body_size,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         health_check_timeout=ns.health_check_timeout,
+        timeout_keep_alive=ns.timeout_keep_alive,
+        body_read_timeout=ns.body_read_timeout,
+        max_connections=ns.max_connections,
         log_level=ns.log_level,
     )
     return engine, config

@@ -21,6 +21,13 @@ class ServerConfig:
     max_body_size: int = 32 * 2**20  # bytes; larger request bodies get 413
     graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     health_check_timeout: float = 20.0  # seconds /health_generate waits for its one token
+    # Slow clients: an idle keep-alive connection, or one whose request headers have not fully
+    # arrived, is closed after this many seconds (uvicorn's --timeout-keep-alive, which SGLang
+    # passes through); a request body must arrive within body_read_timeout (else 408).
+    timeout_keep_alive: float = 30.0
+    body_read_timeout: float = 60.0
+    # Open connections (HTTP and WebSocket) beyond this many get 503 and are closed at once.
+    max_connections: int = 4096
     log_level: str = "info"
 
     @property

@@ -23,6 +23,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -49,9 +50,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         type: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.close = close  # close the connection after answering (e.g. a body left half read)
         self.code = code if code is not None else status
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -59,22 +62,27 @@ class ApiError(Exception):
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json")
+        resp = web.Response(status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json")
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def unavailable(message: str, code: str = "service_unavailable") -> ApiError:
     return ApiError(503, message, code=code)
 
 
-_AT_PATH = re.compile(r" - at `\$(.*)`$")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
+_AT_PATH = re.compile(r" - at `(?:key` in `)?\$(.*)`$")  # "at `key` in `$.x`": a bad dict key
+_MISSING = re.compile(r"(?:missing required|unknown) field `([^`]+)`")
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:
-    """msgspec says '... - at `$.messages[0].role`': the param is 'messages[0].role'."""
+    """msgspec says '... - at `$.messages[0].role`': the param is 'messages[0].role' (plus the
+    field itself when it is missing or unknown)."""
     text = str(error)
     m = _AT_PATH.search(text)
-    path = m.group(1).lstrip(".") if m else ""
+    # "[...]" is msgspec's "some value of this map": the param is the map (`logit_bias`).
+    path = m.group(1).lstrip(".").replace("[...]", "") if m else ""
     missing = _MISSING.search(text)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
@@ -89,6 +97,12 @@ def decode(body: bytes, type_: type[T]) -> T:
         raise ApiError(400, f"invalid request: {e}", param=_param_of(e)) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"invalid JSON in the request body: {e}", code="invalid_json") from None
+    except UnicodeDecodeError as e:  # a string holding bytes that are not UTF-8
+        raise ApiError(
+            400, f"the request body is not valid UTF-8: {e.reason} at byte {e.start}", code="invalid_json"
+        ) from None
+    except RecursionError:  # msgspec's own depth guard: nesting past the interpreter's limit
+        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
 
 
 def to_api_error(exc: BaseException) -> ApiError | None:
@@ -103,6 +117,9 @@ def to_api_error(exc: BaseException) -> ApiError | None:
         return ApiError(400, exc.message, param=exc.param)
     if isinstance(exc, EngineUnhealthyError):
         return unavailable(str(exc), code="engine_unhealthy")
+    if isinstance(exc, web.RequestPayloadError):  # e.g. Content-Encoding: gzip on a body that is not
+        message = f"cannot read the request body: {' '.join(str(exc).split())}"
+        return ApiError(400, message, code="invalid_body", close=True)  # the rest of it is unreadable too
     if isinstance(exc, web.HTTPException) and exc.status >= 400:
         return ApiError(exc.status, exc.text or exc.reason)
     return None

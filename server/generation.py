@@ -6,18 +6,29 @@ validates eagerly (typed errors raise in `__aenter__`, before a streaming respon
 200). Leaving the `async with` early for any reason (the client disconnected, a write failed,
 the handler was cancelled, an error) aborts whatever still runs, so its KV memory is freed at
 once, and releases the admission slots.
+
+`abort(error)` ends a group from outside its handler (shutdown past the grace period, a
+WebSocket cancel): the consumer's iteration raises `error` at its next step, so every handler
+answers it the way it answers any error (an SSE error event then [DONE], a 503 JSON body, a
+WebSocket's final `abort` delta) and then leaves the `async with`, which aborts the engine side.
+An open group is listed in `ServerState.live` so that shutdown can find it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine import Prompt, RequestStream, ResultBuilder, SamplingParams, StreamDelta
+from server.errors import ApiError
 from server.state import ServerState
 
+log = logging.getLogger(__name__)
+
 _END = object()
+_WAKE = object()  # queued by abort() so a consumer blocked on the queue sees the abort at once
 
 
 @dataclass
@@ -33,6 +44,7 @@ class GenerationGroup:
     def __init__(self, state: ServerState, specs: list[GenSpec]) -> None:
         self.state = state
         self.specs = specs
+        self.aborted: ApiError | None = None  # set by abort(): what the consumer's iteration raises
         self._streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -40,6 +52,7 @@ class GenerationGroup:
 
     async def __aenter__(self) -> GenerationGroup:
         self._release = self.state.admit(len(self.specs))
+        self.state.live.add(self)
         try:
             engine = self.state.engine
             for s in self.specs:
@@ -55,7 +68,19 @@ class GenerationGroup:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def abort(self, error: ApiError) -> None:
+        """End the group early with `error` (see the module doc); a no-op once aborted.
+
+        Synchronous so shutdown can end every open group in one pass; the engine-side abort
+        happens when the handler leaves the group, while the engine still runs.
+        """
+        if self.aborted is None:
+            self.aborted = error
+            self._queue.put_nowait((-1, _WAKE))
+
     async def aclose(self) -> None:
+        """Abort whatever still runs and release the admission slots; idempotent."""
+        self.state.live.discard(self)
         try:
             for t in self._tasks:
                 t.cancel()
@@ -63,7 +88,10 @@ class GenerationGroup:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             for s in self._streams:  # also those whose pump never got to run
-                await s.aclose()
+                try:
+                    await s.aclose()
+                except Exception:  # one failed abort must not leak the others or the admission slots
+                    log.warning("could not abort generation %s", s.rid, exc_info=True)
             if self._release is not None:
                 self._release()
 
@@ -83,12 +111,16 @@ class GenerationGroup:
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         remaining = len(self._tasks)
         while remaining:
+            if self.aborted is not None:
+                raise self.aborted
             index, item = await self._queue.get()
+            if self.aborted is not None:  # deltas still queued are dropped: the group is over
+                raise self.aborted
             if item is _END:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
-            else:
+            elif item is not _WAKE:
                 yield index, item
 
     async def collect(self) -> list[ResultBuilder]:

@@ -1,5 +1,14 @@
 """Process lifecycle: load the engine, listen, serve until SIGTERM/SIGINT, then shut down
-gracefully (stop accepting, let in-flight requests finish within the grace period, exit 0).
+gracefully and exit 0.
+
+Shutdown: stop listening and admitting (new generations get 503 `shutting_down`), let in-flight
+requests finish within --graceful-shutdown-timeout; at that deadline, end every generation still
+open (`GenerationGroup.abort`, "server shutting down"): each handler then answers the way it
+answers any error (an SSE stream gets an error event and [DONE], a non-streaming request a 503
+JSON body, a WebSocket generation its final `abort` delta, then the socket closes 1001). aiohttp's
+own shutdown timeout, which cancels handlers outright, is only a backstop a few seconds later
+for a handler stuck writing to a client that does not read. The engine stops last, once every
+handler has let go of its generations.
 
 Startup failures a user can cause (bad model path, port in use, bad engine option) end with one
 line on stderr and a non-zero status; a traceback is shown only with --log-level debug.
@@ -8,31 +17,43 @@ line on stderr and a non-zero status; a traceback is shown only with --log-level
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.config import ServerConfig
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from server.state import ServerState
+
 log = logging.getLogger("server")
 
+EXIT_USAGE = 2  # a bad flag (argparse) or an engine option that cannot work
 EXIT_ENGINE_DIED = 3  # the engine died while serving (an actor crashed, the watchdog fired)
+SHUTTING_DOWN = "server shutting down"  # why generations still open at the deadline end
+# After the deadline's aborts: how long handlers get to write their last event before aiohttp
+# cancels them, and how long the engine waits for cancelled ones to let go of their generations.
+ABORT_GRACE_S = 5.0
 
 
-def _fail(message: str, config: ServerConfig) -> int:
+def _fail(message: str, config: ServerConfig, status: int = 1) -> int:
     if config.log_level == "debug":
         log.exception("startup failed")
     print(f"error: {message}", file=sys.stderr, flush=True)
-    return 1
+    return status
 
 
 async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
     from aiohttp import web
 
-    from engine import Engine, EngineError
+    from engine import Engine, EngineError, InvalidServerArgsError
     from server.app import build_app
+    from server.http_protocol import ApiRunner
     from server.state import STATE
 
     t0 = time.perf_counter()
@@ -40,6 +61,8 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         engine = Engine(config.model_path, **engine_options)
         engine.args.resolved_dtype()  # an unknown dtype fails now, not after loading
         await engine.start()
+    except InvalidServerArgsError as e:  # an option that cannot work: a usage error, like a bad flag
+        return _fail(str(e), config, EXIT_USAGE)
     except EngineError as e:
         return _fail(str(e), config)
     except Exception as e:  # e.g. a torch error from an impossible memory setting
@@ -47,7 +70,13 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
     runner = None
     try:
         app = build_app(engine, config)
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.graceful_shutdown_timeout)
+        runner = ApiRunner(  # web.AppRunner with JSON protocol errors and a connection cap
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=config.graceful_shutdown_timeout + ABORT_GRACE_S,
+            keepalive_timeout=config.timeout_keep_alive,
+            max_connections=config.max_connections,
+        )
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         try:
@@ -76,17 +105,60 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         state = app[STATE]
         state.draining = True
         print(
-            f"Shutting down: waiting up to {config.graceful_shutdown_timeout:.0f}s for {state.inflight} "
+            f"Shutting down: waiting up to {config.graceful_shutdown_timeout:g}s for {state.inflight} "
             "in-flight generation(s)",
             flush=True,
         )
-        await runner.cleanup()  # closes the listener, drains handlers within shutdown_timeout
-        runner = None
+        pending, runner = runner, None
+        await shut_down(pending, state, config.graceful_shutdown_timeout)
         return code
     finally:
         if runner is not None:
             await runner.cleanup()
         await engine.stop()
+
+
+async def shut_down(runner: web.AppRunner, state: ServerState, grace: float) -> None:
+    """Close the HTTP side within `grace` seconds (see the module doc); `state.draining` is set.
+
+    `runner.cleanup()` closes the listener, runs the on_shutdown hooks (WebSockets drain) and
+    waits for the handlers; at the deadline the generations still open are ended so that their
+    handlers finish with a proper last message instead of being cancelled mid-write.
+    """
+    from server.errors import unavailable
+
+    cleanup = asyncio.ensure_future(runner.cleanup())
+    done, _ = await asyncio.wait({cleanup}, timeout=grace)
+    if not done:
+        groups = list(state.live)
+        if groups:
+            print(f"Grace period over: ending {len(groups)} request(s) still running", flush=True)
+        error = unavailable(SHUTTING_DOWN, code="shutting_down")
+        for group in groups:
+            group.abort(error)
+    await cleanup
+    # A handler aiohttp had to cancel closes its generations as it unwinds, and every abort is a
+    # message still on its way through the actors: the engine, stopped next, must take them all
+    # first (an actor stopped under a message in flight logs an error).
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(ABORT_GRACE_S):
+            await state.idle.wait()
+            await _engine_settled(state)
+
+
+async def _engine_settled(state: ServerState) -> None:
+    """Return once the engine holds no request (a control round trip also flushes the messages
+    queued before it), or at once if it is down."""
+    from engine import EngineError
+
+    while state.engine.healthy:
+        try:
+            st = await state.engine.get_internal_state()
+        except EngineError:
+            return
+        if not st["running_requests"] and not st["waiting_requests"]:
+            return
+        await asyncio.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,12 +18,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine import ResultBuilder, SamplingParams, StreamDelta
-from server.errors import ApiError, decode, unavailable
+from engine import RequestStream, ResultBuilder, SamplingParams, StreamDelta
+from server.errors import ApiError, unavailable
 from server.generation import GenerationGroup, GenSpec
 from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
+from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
-from server.state import STATE
+from server.state import STATE, ServerState
 
 VERSION = "0.1.0"
 MAX_N = 128  # generations one request may ask for (n), as OpenAI caps it
@@ -109,7 +110,7 @@ def _response(spec: GenSpec, out: ResultBuilder, start: float, index: int | None
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode(await request.read(), GenerateRequest)
+    req = await read_json(request, GenerateRequest)
     specs, many = parse_generate(req)
     start = time.perf_counter()
     group = GenerationGroup(state, specs)
@@ -134,20 +135,69 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+class HealthProbe:
+    """SGLang's deep health check, one at a time: concurrent callers of /health_generate share
+    the probe in flight, so the open (keyless) endpoint cannot be used to queue generations.
+
+    The probe is a one-token greedy generation. It does not pass admission (`--max-queued-
+    requests`): a full queue is normal saturation, not ill health. Under load the ping waits in
+    the engine's queue like any request, so, as SGLang does, any forward that completes after
+    the probe began also proves the engine alive.
+    """
+
+    POLL = 0.25  # seconds between looks at the engine's recent forwards
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+
+    async def check(self, state: ServerState) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._probe(state))
+            self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if all left
+        await asyncio.shield(self.task)  # one caller leaving does not cancel the others' probe
+
+    async def _probe(self, state: ServerState) -> None:
+        engine, timeout = state.engine, state.config.health_check_timeout
+        t0 = time.perf_counter()
+        stream = engine.open_stream("ping", SamplingParams(max_new_tokens=1, temperature=0.0))
+        pump = asyncio.ensure_future(self._last_delta(stream))
+        try:
+            while True:
+                left = t0 + timeout - time.perf_counter()
+                if left <= 0:
+                    raise unavailable(f"no token within {timeout:g}s", code="health_check_timeout")
+                done, _ = await asyncio.wait({pump}, timeout=min(self.POLL, left))
+                if done:
+                    last = pump.result()
+                    if last is None or last.finish_reason == "abort" or not engine.healthy:
+                        reason = last.error if last is not None else "no output"
+                        raise unavailable(f"health generation failed: {reason}", code="engine_unhealthy")
+                    return
+                steps = engine.recent_steps()
+                if steps and steps[-1].end > t0 and engine.healthy:
+                    return  # busy, and making progress
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            await stream.aclose()
+
+    @staticmethod
+    async def _last_delta(stream: RequestStream) -> StreamDelta | None:
+        last = None
+        async for d in stream:
+            last = d
+        return last
+
+
+HEALTH_PROBE: web.AppKey[HealthProbe] = web.AppKey("health_probe", HealthProbe)
+
+
 async def health_generate(request: web.Request) -> web.Response:
-    """Healthy only if the engine produces a token in time (SGLang's deep health check)."""
+    """Healthy only if the engine produces a token in time (see `HealthProbe`)."""
     state = request.app[STATE]
-    group = GenerationGroup(state, [GenSpec("ping", SamplingParams(max_new_tokens=1, temperature=0.0))])
-    try:
-        async with asyncio.timeout(state.config.health_check_timeout):
-            async with group:
-                outs = await group.collect()
-    except TimeoutError:
-        timeout = state.config.health_check_timeout
-        raise unavailable(f"no token within {timeout}s", code="health_check_timeout") from None
-    last = outs[0].last
-    if last is None or last.finish_reason == "abort" or not state.engine.healthy:
-        raise unavailable(f"health generation failed: {last.error if last else 'no output'}", code="engine_unhealthy")
+    if state.draining or not state.engine.healthy:
+        raise unavailable("the server is shutting down" if state.draining else "the engine is unhealthy")
+    await request.app[HEALTH_PROBE].check(state)
     return web.Response(text="")
 
 
@@ -199,12 +249,13 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     """Abort a request by rid (the `rid` given to /generate; OpenAI requests use '<id>-<choice>')."""
     state = request.app[STATE]
-    req = decode(await request.read(), AbortRequest)
+    req = await read_json(request, AbortRequest)
     await state.engine.abort(req.rid)
     return web.json_response({"success": True})
 
 
 def add_routes(app: web.Application) -> None:
+    app[HEALTH_PROBE] = HealthProbe()
     r = app.router
     r.add_post("/generate", generate)
     r.add_get("/health", health)

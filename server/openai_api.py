@@ -9,6 +9,7 @@ sums the completions. An engine-side abort has no OpenAI finish reason: it becom
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -17,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from engine import InvalidRequestError, ResultBuilder, SamplingParams
-from server.errors import ApiError, abort_error, decode
+from server.errors import ApiError, abort_error
 from server.generation import GenerationGroup, GenSpec
 from server.protocol import (
     AssistantMessage,
@@ -40,18 +41,44 @@ from server.protocol import (
     TopLogprob,
     Usage,
 )
+from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
 
 MAX_N = 128
 # The engine's names for what OpenAI calls differently, so a 400 names the field the client sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# A token id as OpenAI's logit_bias keys spell it: ASCII digits, no leading zeros (int() would also
+# take " 1", "1_0", non-ASCII digits and "01", and "01" next to "1" would silently collide). A minus sign is let
+# through so a negative id gets verify()'s range message.
+_TOKEN_ID = re.compile(r"-?(?:0|[1-9][0-9]{0,17})")
 
 
-def _sampling(state: ServerState, req: Any, max_tokens: int | None) -> SamplingParams:
-    """OpenAI fields -> the engine's SamplingParams, validated here to name OpenAI's fields."""
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys, hence strings) -> the engine's int keys.
+
+    Only the key syntax is checked here; the ranges (ids within the vocabulary, biases in
+    [-100, 100]) and the entry bound are the engine's `SamplingParams.verify`, so every entry
+    point refuses the same things. The body-size limit bounds the keys parsed before that.
+    """
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise ApiError(400, f"logit_bias keys must be token ids (integers), got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _sampling(state: ServerState, req: Any, max_tokens: int | None, max_param: str = "max_tokens") -> SamplingParams:
+    """OpenAI fields -> the engine's SamplingParams, validated here to name OpenAI's fields.
+
+    max_tokens below 1 is a 400, as OpenAI and vLLM answer it (the native API and the engine take
+    max_new_tokens=0 as "generate nothing").
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}", param=max_param)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
@@ -70,6 +97,7 @@ def _sampling(state: ServerState, req: Any, max_tokens: int | None) -> SamplingP
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         seed=req.seed,
+        logit_bias=_logit_bias(req.logit_bias),
     )
     try:
         sp.verify(state.engine.model_info.vocab_size)
@@ -161,7 +189,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode(await request.read(), CompletionRequest)
+    req = await read_json(request, CompletionRequest)
     state.check_model(req.model)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
@@ -261,7 +289,7 @@ def _chat_prompt(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode(await request.read(), ChatCompletionRequest)
+    req = await read_json(request, ChatCompletionRequest)
     state.check_model(req.model)
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
@@ -272,8 +300,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if not 0 <= top <= 20:
         raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sp = _sampling(state, req, max_tokens)
+    if req.max_completion_tokens is not None:
+        sp = _sampling(state, req, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        sp = _sampling(state, req, req.max_tokens)
     messages = _chat_prompt(req)
     n = req.n or 1
     rid = _new_id("chatcmpl")

@@ -12,7 +12,7 @@ msgspec allows one array type per union, hence `list[str | int | list[int]]` for
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Struct
@@ -40,7 +40,16 @@ class _SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's shape: token ids are object keys, so strings; `openai_api._logit_bias` parses them
+    # (a bad key is a 400 naming logit_bias) and the engine's verify() checks ids and values.
+    logit_bias: Annotated[
+        dict[str, float] | None,
+        msgspec.Meta(
+            description="Token id (a decimal string) -> bias in [-100, 100] added to that token's logit "
+            "before penalties, temperature and top-k/top-p/min-p; at most 1024 entries. "
+            "Log-probs stay those of the unbiased model."
+        ),
+    ] = None
     user: str | None = None
     # SGLang / vLLM extensions
     top_k: int | None = None

@@ -6,7 +6,8 @@ aborts the generations.
 Once the first byte is out the status line is spent, so an error in mid-stream (the engine went
 down, a bug) can no longer be a 4xx/5xx answer: `sse_stream` turns it into one last
 `data: {"error": {...}}` event (OpenAI's error body) followed by `[DONE]`, instead of a stream
-that just stops.
+that just stops. Shutdown past the grace period ends a stream the same way: its generations are
+aborted with a 503 `shutting_down` error (server/launch.py, `GenerationGroup.abort`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Protocol
 
 from aiohttp import web
 
@@ -19,6 +20,12 @@ from engine import Engine
 from server.config import ServerConfig
 from server.errors import ApiError, unavailable
 from server.metrics import Metrics
+
+
+class Abortable(Protocol):
+    """What shutdown needs of an open `GenerationGroup` (declared here: no import loop)."""
+
+    def abort(self, error: ApiError) -> None: ...
 
 
 class ServerState:
@@ -31,6 +38,9 @@ class ServerState:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        # Open generation groups (they register themselves), so that shutdown past the grace
+        # period can end each one with an error while the engine still runs.
+        self.live: set[Abortable] = set()
         q = config.max_queued_requests
         self.max_inflight = None if q is None else engine.args.max_running_requests + q
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
@@ -45,6 +55,15 @@ class ServerState:
             raise unavailable("the server is shutting down", code="shutting_down")
         if not self.engine.healthy:
             raise unavailable("the engine is unhealthy", code="engine_unhealthy")
+        if self.max_inflight is not None and n > self.max_inflight:  # could never be admitted: not a 503
+            raise ApiError(
+                400,
+                f"the request asks for {n} generations; at most {self.max_inflight} can be in flight "
+                f"(--max-running-requests {self.engine.args.max_running_requests} + --max-queued-requests "
+                f"{self.config.max_queued_requests})",
+                param="n",
+                code="request_too_large",
+            )
         if self.max_inflight is not None and self.inflight + n > self.max_inflight:
             raise unavailable(
                 f"the request queue is full ({self.inflight} generations in flight, at most "

@@ -183,8 +183,8 @@ async def test_queue_limit_then_disconnects_free_memory(server):
         streams = [await _open_stream(s, url, i, running=i < 2) for i in range(3)]  # the 3rd queues
         async with s.post(url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2}) as r:
             await _expect_error(r, 503, code="queue_full")
-        async with s.get(url + "/health_generate") as r:  # the deep health check queues like the rest
-            await _expect_error(r, 503)
+        async with s.get(url + "/health_generate") as r:  # saturated, not ill: the probe bypasses admission
+            assert r.status == 200, await r.text()
         for r in streams:  # disconnect mid-stream
             r.close()
         await wait_clean(s, url, AUTH)

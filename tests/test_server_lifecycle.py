@@ -1,13 +1,16 @@
 """The process: --help, bad flags and a bad model path exit non-zero with one line and no
-traceback; SIGTERM lets an in-flight stream finish and exits 0."""
+traceback; SIGTERM lets an in-flight stream finish and exits 0; past the grace period every
+stream still open ends with its proper last message (SSE error + [DONE], WebSocket abort + 1001)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -141,7 +144,6 @@ async def test_engine_death_ends_streams_and_exits_3(tiny_model_dir, monkeypatch
     """A hung forward trips the watchdog: the open stream ends with an error event and [DONE], and
     the server drains and exits 3 so its supervisor restarts it (an unhealthy engine's 503s are
     tested in process: test_server_errors.py)."""
-    import asyncio
     import threading
 
     from engine.model_executor.model_runner import ModelRunner
@@ -193,3 +195,126 @@ async def test_engine_death_ends_streams_and_exits_3(tiny_model_dir, monkeypatch
         release.set()
         if not server.done():
             server.cancel()
+
+
+GRACE = 0.5  # --graceful-shutdown-timeout for the test below
+LONG = 1900  # tokens: far more than the tiny model makes within the grace period (context 2048)
+
+
+async def _sse_events(resp: aiohttp.ClientResponse, started: asyncio.Event) -> list[str]:
+    """The `data:` payloads of an SSE response, read raw; `started` is set at the first one."""
+    assert resp.status == 200, await resp.text()
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            events.append(line.decode().strip()[len("data: ") :])
+            started.set()
+    return events
+
+
+async def _inflight(s: aiohttp.ClientSession, url: str) -> int:
+    async with s.get(url + "/get_server_info") as r:
+        return (await r.json())["inflight_generations"]
+
+
+def _assert_ended_by_shutdown(events: list[str]) -> None:
+    """An SSE stream cut by shutdown: a few chunks, then OpenAI's error body, then [DONE]."""
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == "shutting_down" and err["type"] == "service_unavailable", err
+    assert "server shutting down" in err["message"], err
+    assert len(events) >= 3 and all("error" not in json.loads(e) for e in events[:-2]), events[:3]
+
+
+async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tiny_model_dir, tmp_path):
+    """SIGTERM while long generations run on every kind of stream, with a short grace period: at the
+    deadline each SSE stream gets an error event (503 shutting_down) then [DONE], a non-streaming
+    request a 503 body, a WebSocket generation its final `abort` delta and then a 1001 close;
+    the process exits 0 promptly, with no traceback in its log."""
+    import openai
+
+    srv = ServerProcess(tiny_model_dir, *TINY_ARGS, "--graceful-shutdown-timeout", str(GRACE), log_dir=tmp_path)
+    srv.start()
+    greedy = {"temperature": 0, "ignore_eos": True}
+    openai_args = {"model": tiny_model_dir, "prompt": "Count:", "max_tokens": LONG, "temperature": 0}
+    openai_args["extra_body"] = {"ignore_eos": True}
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    started = {k: asyncio.Event() for k in ("chat", "generate", "ws", "openai_stream")}
+
+    async def chat_sse(s: aiohttp.ClientSession) -> list[str]:
+        body = {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": LONG, "stream": True, **greedy}
+        async with s.post(srv.url + "/v1/chat/completions", json=body) as r:
+            return await _sse_events(r, started["chat"])
+
+    async def generate_sse(s: aiohttp.ClientSession) -> list[str]:
+        body = {"text": "Once upon a time", "stream": True, "sampling_params": {**greedy, "max_new_tokens": LONG}}
+        async with s.post(srv.url + "/generate", json=body) as r:
+            return await _sse_events(r, started["generate"])
+
+    async def ws_generation(s: aiohttp.ClientSession) -> tuple[list[dict], aiohttp.WSMessage]:
+        async with s.ws_connect(srv.url + "/ws") as ws:
+            params = {**greedy, "max_new_tokens": LONG}
+            await ws.send_json({"type": "generate", "id": "w", "text": "A long tale", "sampling_params": params})
+            msgs: list[dict] = []
+            while True:
+                msg = await ws.receive()
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    return msgs, msg
+                msgs.append(json.loads(msg.data))
+                started["ws"].set()
+
+    async def idle_ws(s: aiohttp.ClientSession) -> aiohttp.WSMessage:
+        async with s.ws_connect(srv.url + "/ws") as ws:
+            return await ws.receive()
+
+    async def openai_stream() -> Exception:
+        stream = await client.completions.create(stream=True, **openai_args)
+        try:
+            async for _ in stream:
+                started["openai_stream"].set()
+        except openai.APIError as e:
+            return e
+        raise AssertionError("the stream ended without an error")
+
+    async def openai_plain() -> Exception:
+        try:
+            await client.completions.create(**openai_args)
+        except openai.APIStatusError as e:
+            return e
+        raise AssertionError("no error")
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as s, asyncio.timeout(150):
+            tasks = [
+                asyncio.create_task(c)
+                for c in (chat_sse(s), generate_sse(s), ws_generation(s), idle_ws(s), openai_stream(), openai_plain())
+            ]
+            while not all(e.is_set() for e in started.values()) or await _inflight(s, srv.url) < 5:
+                for t in tasks:
+                    if t.done():
+                        t.result()  # a request that failed before the signal fails the test now
+                await asyncio.sleep(0.05)
+            signalled = time.monotonic()
+            srv.signal(signal.SIGTERM)
+            chat, generate, (ws_msgs, ws_end), idle_end, stream_err, plain_err = await asyncio.gather(*tasks)
+            code = await asyncio.to_thread(srv.proc.wait, GRACE + 60)
+            exited_after = time.monotonic() - signalled
+        _assert_ended_by_shutdown(chat)
+        _assert_ended_by_shutdown(generate)
+        finals = [m for m in ws_msgs if m.get("finish_reason") is not None]
+        assert all(m["type"] == "delta" and m["id"] == "w" for m in ws_msgs), ws_msgs[-3:]
+        assert len(finals) == 1 and finals[0] is ws_msgs[-1], ws_msgs[-3:]
+        assert finals[0]["finish_reason"] == {"type": "abort", "message": "server shutting down"}
+        assert sum(len(m["token_ids"]) for m in ws_msgs) < LONG
+        for end in (ws_end, idle_end):
+            assert end.type == aiohttp.WSMsgType.CLOSE and end.data == 1001, end
+        assert isinstance(stream_err, openai.APIError) and "server shutting down" in stream_err.message
+        assert plain_err.status_code == 503 and plain_err.body["code"] == "shutting_down", plain_err.body
+        assert code == 0, srv.log_tail()
+        assert exited_after < GRACE + 30, exited_after
+        log = srv.log_tail(10**6)
+        assert "Grace period over" in log and "Traceback" not in log and "Error" not in log, log
+    finally:
+        await client.close()
+        srv.stop()

@@ -85,8 +85,11 @@ class Receiver(Actor):
         rid = rid if rid is not None else f"req-{next(self._ids)}-{random.getrandbits(32):08x}"
         if rid in self.streams:
             raise InvalidRequestError(f"a request with rid {rid!r} is already running", "rid")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        if params.max_new_tokens == 0:  # nothing to generate: finished before it starts (SGLang's answer)
+            queue.put_nowait(StreamDelta(rid, "", [], finish_reason="length", prompt_tokens=len(ids)))
+            return rid, queue
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.streams[rid] = queue
         self.output.send(RegisterReq(rid, ids[-DETOKENIZE_CONTEXT:], params.skip_special_tokens, params.stop_strs))
         self.dispatcher.send(

@@ -58,6 +58,13 @@ class ActorState(enum.Enum):
     CRASHED = "crashed"
 
 
+def _traceback_for(exc: BaseException) -> BaseException | None:
+    """The exception whose traceback a log line should carry: none for a send to a stopped actor,
+    which is no bug where it is raised (the system is stopping, or the target crashed and logged
+    its own traceback)."""
+    return None if isinstance(exc, ActorStoppedError) else exc
+
+
 class ActorStoppedError(EngineError, RuntimeError):
     """The target actor is stopping, stopped or crashed: the message was not queued.
 
@@ -281,7 +288,12 @@ class Actor:
         """Log and count a message whose handling raised, then let `on_message_error` answer it."""
         self._message_errors += 1
         logger.error(
-            "actor %r failed to handle %s: %s: %s", self.name, type(msg).__name__, type(exc).__name__, exc, exc_info=exc
+            "actor %r failed to handle %s: %s: %s",
+            self.name,
+            type(msg).__name__,
+            type(exc).__name__,
+            exc,
+            exc_info=_traceback_for(exc),
         )
         try:
             self.on_message_error(msg, exc)
@@ -368,7 +380,7 @@ class Actor:
         # Set before on_crash runs, so sends made meanwhile fail at once.
         self._state = ActorState.CRASHED
         self._error = exc
-        logger.error("actor %r crashed: %s: %s", self.name, type(exc).__name__, exc, exc_info=exc)
+        logger.error("actor %r crashed: %s: %s", self.name, type(exc).__name__, exc, exc_info=_traceback_for(exc))
         try:
             await self.on_crash(exc)
         except Exception:

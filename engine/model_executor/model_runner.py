@@ -62,6 +62,7 @@ class GenerationBatchResult:
 class ModelRunner:
     def __init__(self, args: ServerArgs, source: ModelSource | None = None) -> None:
         self.args = args
+        args.verify()
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
         # Checked before anything is loaded: an unusable option is a typed error at start-up.
@@ -72,7 +73,7 @@ class ModelRunner:
         self.model_config = cfg = ModelConfig.from_hf(
             self.source.hf_config, self.source.architecture, self.source.generation_eos
         )
-        self.context_len = args.context_length or cfg.context_len
+        self.context_len = args.check_context_length(cfg.context_len)
         self.attn_backend_name = resolve_attention_backend(
             args.attention_backend, self.device, self.dtype, cfg.head_dim
         )
@@ -132,6 +133,7 @@ class ModelRunner:
             free_bytes = psutil.virtual_memory().available
         mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.1
         size = kv_pool_size_from_budget(args.max_total_tokens, mem_fraction, per_token, args.page_size, free_bytes)
+        args.check_pool(size - args.page_size, self.context_len)  # usable slots; before the buffers exist
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, args.page_size, self.device)
         self.kv_cache = KVCache(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)

@@ -5,13 +5,13 @@ Two pieces:
 * `SamplingBatchInfo` packs the per-request `SamplingParams` of one decode step into a few device
   tensors plus batch-level flags, so the sampler can skip every stage no request needs.
 * `Sampler` turns logits into token ids (and optionally log-probs) with no per-request Python
-  loop: penalties -> greedy argmax, and for sampled rows temperature -> softmax -> top-k/top-p/
-  min-p masks -> a seeded draw.
+  loop: logit_bias -> penalties -> greedy argmax, and for sampled rows temperature -> softmax ->
+  top-k/top-p/min-p masks -> a seeded draw (OpenAI's and vLLM's order for the bias).
 
-Randomness is counter-based, not stateful: the uniform for (request seed, step, token id) is a
-pure hash of those three integers. A request therefore samples the same tokens whichever batch
-it lands in, at whatever row, next to whatever neighbours, which a shared `torch.Generator` can
-never give. Requests without a user seed get a random one from the caller at creation time, so
+Randomness is counter-based, not stateful (counter_rng.py): the uniform for (request seed, step,
+token id) is a pure hash of those three integers. A request therefore samples the same tokens
+whichever batch it lands in, at whatever row, next to whatever neighbours, which a shared
+`torch.Generator` can never give. Requests without a user seed get a random one from the caller at creation time, so
 every row takes the same code path.
 """
 
@@ -25,70 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.sampling.counter_rng import counter_uniforms
+from engine.sampling.counter_rng import mix64_ as mix64_  # re-exported: tests import it from here
+from engine.sampling.logit_bias import LogitBias, apply_logit_bias, pack_logit_bias
 from engine.sampling.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
-
-
-def _as_int64(value: int) -> int:
-    """A 64-bit constant reinterpreted as a signed int64 (torch has no uint64 arithmetic)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-# splitmix64 constants (Steele, Lea & Flood, "Fast splittable pseudorandom number generators").
-_GOLDEN_GAMMA = _as_int64(0x9E3779B97F4A7C15)
-_MIX_MUL_1 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX_MUL_2 = _as_int64(0x94D049BB133111EB)
-
-
-# --------------------------------------------------------------------------------------------
-# Counter-based uniforms
-# --------------------------------------------------------------------------------------------
-
-
-def _xor_shift_right_(z: Tensor, shift: int, scratch: Tensor) -> None:
-    """z ^= z >>> shift, in place, as a *logical* shift.
-
-    torch's `>>` on int64 is arithmetic (it copies the sign bit in), so the sign-extended top
-    bits are masked off to get the unsigned shift the mixer is defined with.
-    """
-    torch.bitwise_right_shift(z, shift, out=scratch)
-    scratch.bitwise_and_((1 << (64 - shift)) - 1)
-    z.bitwise_xor_(scratch)
-
-
-def mix64_(z: Tensor) -> Tensor:
-    """splitmix64's finaliser, in place on an int64 tensor.
-
-    It is a bijection on 64-bit words with full avalanche. int64 multiplication in torch wraps
-    modulo 2**64, which is exactly the unsigned product's bit pattern, so signed storage is fine.
-    """
-    scratch = torch.empty_like(z)
-    _xor_shift_right_(z, 30, scratch)
-    z.mul_(_MIX_MUL_1)
-    _xor_shift_right_(z, 27, scratch)
-    z.mul_(_MIX_MUL_2)
-    _xor_shift_right_(z, 31, scratch)
-    return z
-
-
-def counter_uniforms(seeds: Tensor, steps: Tensor, num_tokens: int) -> Tensor:
-    """Uniforms in (0, 1), shape [S, num_tokens], float32: a pure function of (seed, step, token).
-
-    Row key = mix(mix(seed) + step): whitening the seed first keeps nearby seeds' step ranges
-    from overlapping. Each row is then a splitmix64 stream: token t gets mix(key + (t+1)*gamma).
-    The top 23 bits become a float32 at the centre of its bucket: (k + 0.5) / 2**23 is exact
-    in float32 (24-bit significand; 24 bits plus the half would round k = 2**24-1 up to 1.0),
-    so 0 and 1 never occur and -log(u) is always finite and positive.
-    """
-    key = mix64_(seeds.to(torch.int64).clone())
-    key.add_(steps.to(torch.int64))
-    mix64_(key)
-    stream = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=seeds.device)
-    stream.mul_(_GOLDEN_GAMMA)
-    z = mix64_(key[:, None] + stream[None, :])
-    z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
-    return z.to(torch.float32).add_(0.5).mul_(2.0**-23)
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,6 +97,9 @@ class SamplingBatchInfo:
     repetition_penalties: Tensor | None = None  # [B, 1] float32
     seen_token_mask: Tensor | None = None  # [B, V] bool, prompt + output tokens
     banned_token_index: Tensor | None = None  # flat row*V+token ids forced to -inf (min_new_tokens)
+    # logit_bias, sparse: None unless some request has one (logit_bias.py).
+    logit_bias_index: Tensor | None = None  # [M] int64, flat row*V+token
+    logit_bias_values: Tensor | None = None  # [M] float32
     # Log-prob requests, batch level: the sampler computes them for all rows or none.
     return_logprob: bool = False
     top_logprobs_num: int = 0  # max over the batch, capped at vocab_size
@@ -180,6 +125,7 @@ class SamplingBatchInfo:
         return_logprob: Sequence[bool] | None = None,
         top_logprobs_num: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        logit_biases: Sequence[LogitBias | None] | None = None,
     ) -> SamplingBatchInfo:
         """Build the batch state from per-request Python values.
 
@@ -188,9 +134,12 @@ class SamplingBatchInfo:
         `output_ids`/`input_ids` are only read when some request uses a penalty. `eos_token_ids`
         (optional) are banned, together with the request's stop_token_ids, while a request has
         generated fewer than `min_new_tokens` tokens (EOS is not banned under `ignore_eos`).
+        `logit_biases` are the requests' `LogitBias` arrays, built once per request by the caller;
+        when omitted they are built here from `params`.
 
         This runs every decode step, so it makes one Python pass over the requests and one
-        host->device copy per group of fields; penalty tensors are built only when used.
+        host->device copy per group of fields (the logit_bias entries ride in the same two
+        copies); penalty tensors are built only when used.
         """
         batch = len(params)
         if len(seeds) != batch or len(steps) != batch:
@@ -226,12 +175,15 @@ class SamplingBatchInfo:
             need_top_k |= top_k < vocab_size
             need_min_p |= p.min_p > 0.0
 
-        floats = torch.tensor([temperatures, top_ps, min_ps], dtype=torch.float32, device=device)
-        ints = torch.tensor(
-            [top_ks, [s & _SEED_MASK for s in seeds], list(steps)],
-            dtype=torch.int64,
-            device=device,
-        )
+        if logit_biases is None:
+            logit_biases = [LogitBias.from_params(p) for p in params]
+        bias = pack_logit_bias(logit_biases, vocab_size)
+        floats_np = np.array([temperatures, top_ps, min_ps], dtype=np.float32).reshape(-1)
+        ints_np = np.array([top_ks, [s & _SEED_MASK for s in seeds], list(steps)], dtype=np.int64).reshape(-1)
+        if bias is not None:
+            ints_np, floats_np = np.concatenate([ints_np, bias[0]]), np.concatenate([floats_np, bias[1]])
+        flat_floats, flat_ints = torch.from_numpy(floats_np).to(device), torch.from_numpy(ints_np).to(device)
+        floats, ints = flat_floats[: 3 * batch].view(3, batch), flat_ints[: 3 * batch].view(3, batch)
         sample_indices = None
         if 0 < len(sample_rows) < batch:
             sample_indices = torch.tensor(sample_rows, dtype=torch.int64, device=device)
@@ -255,6 +207,8 @@ class SamplingBatchInfo:
             info._build_penalties(params, output_ids, input_ids, use_freq_presence, use_repetition, device)
         if banned:
             info.banned_token_index = torch.tensor(banned, dtype=torch.int64, device=device)
+        if bias is not None:
+            info.logit_bias_index, info.logit_bias_values = flat_ints[3 * batch :], flat_floats[3 * batch :]
         if return_logprob is not None:
             info.return_logprob = any(return_logprob)
         if top_logprobs_num:
@@ -389,19 +343,22 @@ def _filtered_probs(
 class Sampler:
     """Chooses next tokens for a batch; stateless, one instance can serve every step.
 
-    Log-probs are "raw": log_softmax of the model's logits before penalties, temperature and
-    top-k/top-p/min-p (vLLM's default). They describe what the model predicted, comparable
-    across requests whatever their sampling settings, and they are cheap to get on the fast path.
+    Log-probs are "raw": log_softmax of the model's logits before logit_bias, penalties,
+    temperature and top-k/top-p/min-p (vLLM's default). They describe what the model predicted,
+    comparable across requests whatever their sampling settings, and they are cheap to get on the
+    fast path. So a token forced by a +100 bias reports the model's own log-prob for it, not ~0.
     """
 
     def __call__(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[1] != info.vocab_size:
             raise ValueError(f"logits must be [B, {info.vocab_size}], got {tuple(logits.shape)}")
-        if info.is_all_greedy and not info.need_penalties and not info.need_logprobs:
+        biased = info.logit_bias_index is not None
+        if info.is_all_greedy and not (info.need_penalties or info.need_logprobs or biased):
             return SamplerOutput(next_token_ids=logits.argmax(dim=-1))
 
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if info.need_logprobs else None
-        scores = apply_penalties(logits, info) if info.need_penalties else logits
+        scores = apply_logit_bias(logits, info.logit_bias_index, info.logit_bias_values) if biased else logits
+        scores = apply_penalties(scores, info) if info.need_penalties else scores
         if info.is_all_greedy:
             next_ids = scores.argmax(dim=-1)
         elif info.sample_indices is None:

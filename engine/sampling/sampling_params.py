@@ -11,6 +11,7 @@ sampler several steps later.
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import msgspec
 
@@ -34,17 +35,36 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
 
+# Bounds on the per-request work stop conditions put on the event loop: the output processor
+# scans every text delta against every stop string, so 100,000 of them would slow every other
+# request. OpenAI itself allows 4 stop strings; these leave room for any real use.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192  # their total length
+MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's range for a bias. The entry bound is ours (OpenAI documents none, vLLM has
+# none): each step packs every running request's entries, so the work is entries x batch, and a
+# vocab-sized map (~150k entries for Qwen) would make a 3 MB request body and a per-step copy of
+# batch x vocab entries. 1024 covers banning or forcing any real word list; a caller who wants to
+# exclude most of the vocabulary wants constrained decoding, not a bias per token.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `top_k=True` is a client bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class SamplingParams(msgspec.Struct, kw_only=True):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request wants its tokens chosen and when it wants to stop.
+
+    Unknown fields are an error when decoding (a typo such as `tempreature` would otherwise
+    silently sample at the default temperature), as they are for keyword construction.
 
     `temperature == 0` (anything below `SAMPLING_EPS`) or `top_k == 1` means greedy decoding.
     `seed` is stored as given (any int); the sampler folds it to 63 bits.
+    `logit_bias` does not depend on previous tokens, so unlike penalties it never forces the
+    synchronous (non-overlapped) scheduler step.
     """
 
     max_new_tokens: int = 128
@@ -62,6 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     seed: int | None = None
     n: int = 1
+    # token id -> bias added to its logit before penalties, temperature and top-k/top-p/min-p
+    # (OpenAI's semantics). JSON object keys decode to int ("123" -> 123); others are a 400.
+    logit_bias: dict[int, float] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -88,10 +111,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         """Raise `InvalidRequestError(param=<field>)` for the first invalid field.
 
         Rules are SGLang's. Comparisons are written as `not (valid range)` so that NaN, which
-        fails every comparison, is rejected too. `vocab_size`, when given, bounds stop_token_ids.
+        fails every comparison, is rejected too. `vocab_size`, when given, bounds stop_token_ids
+        and the token ids of logit_bias.
         """
         self._verify_types()
         self._verify_ranges()
+        self._verify_logit_bias(vocab_size)
         if vocab_size is not None and self.stop_token_ids:
             for token_id in self.stop_token_ids:
                 if not 0 <= token_id < vocab_size:
@@ -151,3 +176,37 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             fail("min_new_tokens", f"<= max_new_tokens ({self.max_new_tokens})")
         if not self.n >= 1:
             fail("n", ">= 1")
+        stops = self.stop_strs
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                f"stop allows at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all, "
+                f"got {len(stops)} of {sum(map(len, stops))}",
+                "stop",
+            )
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                "stop_token_ids",
+            )
+
+    def _verify_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+
+        def fail(message: str) -> NoReturn:
+            raise InvalidRequestError(f"logit_bias {message}", "logit_bias")
+
+        if not isinstance(bias, dict):
+            fail(f"must be an object mapping token ids to biases, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before looking at any entry: bounded work
+            fail(f"allows at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        limit = MAX_LOGIT_BIAS
+        for token_id, value in bias.items():
+            if not _is_int(token_id):
+                fail(f"keys must be integer token ids, got {token_id!r}")
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                fail(f"token ids must be in [0, {vocab_size or 'vocab_size'}), got {token_id}")
+            # `not (range)` also rejects NaN; the range check rejects infinities.
+            if not (_is_int(value) or isinstance(value, float)) or not -limit <= value <= limit:
+                fail(f"values must be numbers in [{-limit:g}, {limit:g}], got {value!r} for token {token_id}")

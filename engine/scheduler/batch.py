@@ -22,7 +22,7 @@ import torch
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
-from engine.sampling import SamplingBatchInfo, SamplingParams
+from engine.sampling import LogitBias, SamplingBatchInfo, SamplingParams
 
 
 class FinishReason(enum.Enum):
@@ -52,6 +52,7 @@ class Req:
         "kv_committed_len",
         "kv_computed_len",
         "last_node",
+        "logit_bias",
         "max_context_len",
         "origin_input_ids",
         "output_ids",
@@ -89,6 +90,7 @@ class Req:
         self.seed = seed
         self.eos_token_ids = eos_token_ids
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.logit_bias = LogitBias.from_params(sampling_params)  # arrays built once, packed every step
         self.max_context_len = max_context_len
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
@@ -324,6 +326,7 @@ class ScheduleBatch:
             eos_token_ids=sorted(reqs[0].eos_token_ids) if reqs else None,  # min_new_tokens bans EOS
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
+            logit_biases=[r.logit_bias for r in reqs],
         )
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,

@@ -1,0 +1,296 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at GET /openapi.json.
+
+The request and response schemas are generated from the msgspec Structs in `server/protocol.py`
+(`msgspec.json.schema_components`), so the document cannot drift from what the handlers decode:
+change a Struct and the schema changes with it. msgspec emits JSON Schema 2020-12, which is
+OpenAPI 3.1's dialect, so the component schemas go in unchanged. The operations themselves (which
+body, which statuses, which content types) are described here in `_OPERATIONS`, one entry per path.
+
+The document lists the routes the app really has: it is built once, when the app starts (its
+router is frozen by then, whatever order `build_app` added routes in), from `app.router`. A route
+missing from `_OPERATIONS` still appears, marked `x-undocumented` so a test notices it.
+
+/openapi.json needs no API key, as in SGLang and FastAPI: it says nothing about the model or the
+server that the open /health does not, and clients and fuzzers (tests/test_fuzz.py) need the
+schema before they can know how to authenticate (the `bearer` scheme is in it when a key is set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from server.errors import ErrorResponse
+from server.native_api import VERSION
+from server.protocol import (
+    AbortRequest,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    ModelList,
+    WsCancel,
+    WsDelta,
+    WsError,
+    WsGenerate,
+)
+from server.state import STATE
+
+OPENAPI_PATH = "/openapi.json"
+
+
+@dataclass
+class _Document:
+    """The encoded document; filled on startup (the app is frozen then, so a holder, not a key)."""
+
+    body: bytes = b""
+
+
+OPENAPI: web.AppKey[_Document] = web.AppKey("openapi", _Document)
+_REF = "#/components/schemas/{name}"
+_STRUCTS: tuple[type, ...] = (
+    CompletionRequest,
+    CompletionResponse,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    ModelList,
+    GenerateRequest,
+    GenerateResponse,
+    AbortRequest,
+    ErrorResponse,
+    WsGenerate,
+    WsCancel,
+    WsDelta,
+    WsError,
+)
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": _REF.format(name=name)}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _sse(event: str) -> dict[str, Any]:
+    """Server-sent events as OpenAPI 3.1 describes them (the schema is one event): each `data` is
+    an `event` object or, once the status is spent, an error body, and the stream ends in [DONE]."""
+    payload = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [_ref(event), _ref("ErrorResponse")]},
+    }
+    data = {"anyOf": [{"const": "[DONE]"}, payload]}
+    return {"text/event-stream": {"schema": {"type": "object", "properties": {"data": data}, "required": ["data"]}}}
+
+
+_OBJECT = {"type": "object"}
+_SUCCESS = {
+    "type": "object",
+    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}},
+    "required": ["success"],
+}
+_MODEL_INFO = {
+    "type": "object",
+    "properties": {
+        "model_path": {"type": "string"},
+        "tokenizer_path": {"type": "string"},
+        "served_model_name": {"type": "string"},
+        "is_generation": {"type": "boolean"},
+        "architecture": {"type": "string"},
+        "context_length": {"type": "integer"},
+        "vocab_size": {"type": "integer"},
+        "dtype": {"type": "string"},
+        "device": {"type": "string"},
+    },
+    "required": ["model_path", "served_model_name", "context_length", "vocab_size"],
+}
+_SERVER_INFO = {
+    "type": "object",
+    "properties": {
+        "version": {"type": "string"},
+        "inflight_generations": {"type": "integer"},
+        "internal_states": {"type": "array", "items": _OBJECT},
+    },
+    "required": ["version", "internal_states"],
+}
+_ERROR_TEXT = {
+    400: "invalid request (the body names the field in `param`)",
+    401: "missing or invalid API key",
+    404: "unknown model",
+    408: "the request body did not arrive in time",
+    413: "request body over --max-body-size",
+    500: "a server bug, or a generation the engine aborted",
+    503: "shutting down, engine unhealthy, or the queue is full (retry later)",
+}
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What one operation takes and answers; `errors` are its 4xx/5xx statuses besides 401."""
+
+    summary: str
+    ok: dict[str, Any] = field(default_factory=dict)  # media type -> media object ({} = no body)
+    ok_text: str = "success"
+    body: str | None = None  # request Struct name, sent as application/json
+    errors: tuple[int, ...] = (500,)
+    open: bool = False  # no API key needed (app.py's open paths)
+    status: int = 200
+    extra: dict[str, Any] = field(default_factory=dict)  # vendor extensions (x-...)
+
+
+_BODY_ERRORS = (400, 408, 413, 500)
+_GEN_ERRORS = (*_BODY_ERRORS, 503)
+_GENERATE_OK = {"oneOf": [_ref("GenerateResponse"), {"type": "array", "items": _ref("GenerateResponse")}]}
+_FLUSH = _Op("Drop every cached prefix (400 while requests run)", _json(_SUCCESS), errors=(400, 500))
+_MODEL = _Op("The served model (SGLang)", _json(_MODEL_INFO))
+_SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(_SERVER_INFO))
+_HEALTH_TEXT = "healthy (empty body)"
+
+# (method, path) -> operation. Aliases share their entry.
+_OPERATIONS: dict[tuple[str, str], _Op] = {
+    ("POST", "/v1/completions"): _Op(
+        "OpenAI text completion; `stream: true` answers server-sent events of CompletionResponse",
+        {**_json(_ref("CompletionResponse")), **_sse("CompletionResponse")},
+        body="CompletionRequest",
+        errors=(*_GEN_ERRORS, 404),
+    ),
+    ("POST", "/v1/chat/completions"): _Op(
+        "OpenAI chat completion; `stream: true` answers server-sent events of ChatCompletionChunk",
+        {**_json(_ref("ChatCompletionResponse")), **_sse("ChatCompletionChunk")},
+        body="ChatCompletionRequest",
+        errors=(*_GEN_ERRORS, 404),
+    ),
+    ("GET", "/v1/models"): _Op("The served model, OpenAI's list", _json(_ref("ModelList"))),
+    ("POST", "/generate"): _Op(
+        "SGLang generation: one object, or a list for a batch or n > 1; `stream: true` answers events",
+        {**_json(_GENERATE_OK), **_sse("GenerateResponse")},
+        body="GenerateRequest",
+        errors=_GEN_ERRORS,
+    ),
+    ("GET", "/health"): _Op("Liveness", ok_text=_HEALTH_TEXT, errors=(503,), open=True),
+    ("GET", "/health_generate"): _Op(
+        "Readiness: the engine produced a token in time", ok_text=_HEALTH_TEXT, errors=(500, 503), open=True
+    ),
+    ("GET", "/get_model_info"): _MODEL,
+    ("GET", "/model_info"): _MODEL,
+    ("GET", "/get_server_info"): _SERVER,
+    ("GET", "/server_info"): _SERVER,
+    ("POST", "/flush_cache"): _FLUSH,
+    ("GET", "/flush_cache"): _FLUSH,
+    ("POST", "/abort_request"): _Op(
+        "Abort a generation by rid (unknown rids are ignored)",
+        _json(_SUCCESS),
+        body="AbortRequest",
+        errors=_BODY_ERRORS,
+    ),
+    ("GET", "/metrics"): _Op(
+        "Prometheus metrics (only with --enable-metrics)",
+        {"text/plain": {"schema": {"type": "string"}}},
+        open=True,
+    ),
+    ("GET", "/ws"): _Op(
+        "WebSocket: many tagged generations per socket (see x-websocket and server/ws.py)",
+        ok_text="switching protocols (a plain GET without the upgrade headers is a 400)",
+        status=101,
+        errors=(400, 500),
+        extra={
+            "x-websocket": {
+                "client": {"oneOf": [_ref("WsGenerate"), _ref("WsCancel")]},
+                "server": {"oneOf": [_ref("WsDelta"), _ref("WsError")]},
+            }
+        },
+    ),
+    ("GET", OPENAPI_PATH): _Op("This document", _json(_OBJECT), open=True),
+}
+
+
+def _present(name: str) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+# Rules the handlers check that a Struct cannot say (added to the generated component schemas).
+_RULES: dict[str, dict[str, Any]] = {
+    "GenerateRequest": {"oneOf": [_present("text"), _present("input_ids")]},  # exactly one prompt
+    "WsGenerate": {"oneOf": [_present("text"), _present("input_ids")]},
+}
+_UNDOCUMENTED = _Op("undocumented route", ok_text="see the handler", extra={"x-undocumented": True})
+
+
+def _operation(op: _Op, secured: bool) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": op.ok_text}
+    if op.ok:
+        ok["content"] = op.ok
+    responses: dict[str, Any] = {str(op.status): ok}
+    statuses = set(op.errors) | ({401} if secured and not op.open else set())
+    for status in sorted(statuses):
+        responses[str(status)] = {"description": _ERROR_TEXT[status], "content": _json(_ref("ErrorResponse"))}
+    out: dict[str, Any] = {"summary": op.summary, "responses": responses, **op.extra}
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": _json(_ref(op.body))}
+    if secured and op.open:
+        out["security"] = []  # overrides the document-wide bearer requirement
+    return out
+
+
+def build_openapi(routes: Iterable[tuple[str, str]], *, secured: bool, title: str = "asyncllm") -> dict[str, Any]:
+    """The OpenAPI 3.1 document for `routes` ((method, path) pairs; HEAD is implied by GET and
+    skipped). `secured`: an API key is configured, so every operation but the open ones needs
+    `Authorization: Bearer <key>`."""
+    _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
+    for name, rule in _RULES.items():
+        schemas[name] = {**schemas[name], **rule}
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in routes:
+        if method in ("HEAD", "*"):
+            continue
+        op = _OPERATIONS.get((method, path), _UNDOCUMENTED)
+        paths.setdefault(path, {})[method.lower()] = _operation(op, secured)
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": title,
+            "version": VERSION,
+            "description": "OpenAI-compatible and SGLang-native LLM serving. Every error is "
+            'OpenAI\'s body: {"error": {"message", "type", "param", "code"}}.',
+        },
+        "paths": dict(sorted(paths.items())),
+        "components": {"schemas": schemas},
+    }
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def app_routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path) of every route `app` has, in registration order."""
+    return [(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None]
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI].body, content_type="application/json")
+
+
+async def _build_on_startup(app: web.Application) -> None:
+    secured = bool(app[STATE].config.api_key)
+    app[OPENAPI].body = msgspec.json.encode(build_openapi(app_routes(app), secured=secured))
+
+
+def add_routes(app: web.Application) -> None:
+    """GET /openapi.json; the document is built on startup, once every route is registered."""
+    app[OPENAPI] = _Document()
+    app.router.add_get(OPENAPI_PATH, _openapi)
+    app.on_startup.append(_build_on_startup)
+
+
+__all__ = ["OPENAPI_PATH", "add_routes", "app_routes", "build_openapi"]
