@@ -183,15 +183,22 @@ class WsSession:
             await asyncio.wait({run.task})
 
     async def close_all(self) -> None:
-        """The socket is gone: abort everything still running on it."""
+        """The socket is gone: abort everything still running on it.
+
+        The cleanup runs in its own task, shielded: aiohttp cancels this handler when the client
+        goes away, possibly in the middle of it, and a generation task cancelled before it ever
+        ran never reaches its own `finally`. Unshielded, such a generation kept running for
+        nobody and its admission slot was never released (found by bench.soak).
+        """
         runs = list(self.running.values())
         self.running.clear()
         for run in runs:
             if run.task is not None:
                 run.task.cancel()
-        await asyncio.gather(*(r.task for r in runs if r.task), return_exceptions=True)
-        for run in runs:
-            await run.group.aclose()
+        cleanup = asyncio.ensure_future(_close_runs(runs))
+        _CLEANUPS.add(cleanup)  # referenced until done, even if this handler is cancelled
+        cleanup.add_done_callback(_CLEANUPS.discard)
+        await asyncio.shield(cleanup)
 
     def drain(self) -> None:
         """Shutdown: let running generations end (new ones get 503), then close the socket (1001).
@@ -210,6 +217,18 @@ class WsSession:
 
         if self._drain_task is None:
             self._drain_task = asyncio.create_task(wait_and_close())
+
+
+_CLEANUPS: set[asyncio.Task] = set()
+
+
+async def _close_runs(runs: list[_Running]) -> None:
+    await asyncio.gather(*(r.task for r in runs if r.task), return_exceptions=True)
+    for run in runs:
+        try:
+            await run.group.aclose()  # aborts in the engine, releases the admission slots
+        except Exception:
+            log.exception("websocket: closing a generation failed")
 
 
 SESSIONS: web.AppKey[set[WsSession]] = web.AppKey("ws_sessions", set)

@@ -120,6 +120,33 @@ async def test_closing_the_socket_aborts_its_generations(tiny_server):
         assert st["running_requests"] == 0
 
 
+async def test_closing_right_after_generate_releases_everything(tiny_server):
+    """A socket closed before its generation sent anything: aiohttp cancels the handler inside its
+    cleanup, and the generation task may never have started. Its admission slot must still be
+    released and its engine request aborted (bench.soak found both leaking)."""
+    url = tiny_server.url
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        for i in range(10):
+            ws = await s.ws_connect(url + "/ws")
+            body = {
+                "type": "generate",
+                "id": "a",
+                "text": f"Hello {i}",
+                "sampling_params": {**GREEDY, "max_new_tokens": 800},
+            }
+            await ws.send_json(body)
+            await ws.close()
+        async with asyncio.timeout(60):
+            while True:
+                async with s.get(url + "/get_server_info") as r:
+                    info = await r.json()
+                st = info["internal_states"][0]
+                if info["inflight_generations"] == 0 and st["running_requests"] == 0 and st["waiting_requests"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+        await wait_clean(s, url)
+
+
 # ---- frames that cannot be decoded; failures in mid-generation --------------------------------
 
 DEEP = 10_000

@@ -35,6 +35,7 @@ from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
 from engine.errors import InvalidRequestError
+from engine.host_memory import trim_host_memory
 from engine.model_executor.forward_batch_info import ForwardMode
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
@@ -226,6 +227,7 @@ class Scheduler:
         while idle (`set_internal_state`) holds until the end of the next burst."""
         self.ran_since_idle = False
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        trim_host_memory()  # the burst's freed heap back to the OS (rate-limited)
 
     def _place_prefill(self, plan: PrefillPlan) -> ScheduleBatch | None:
         """Lock the planned prefixes, evict, allocate; hand the requests back if they do not fit."""

@@ -1,0 +1,90 @@
+"""`--launch` for the soak run: start `python -m server` as a subprocess on a free loopback port,
+wait for /health, stop it with SIGTERM at the end.
+
+The server writes to a log file rather than a pipe (a pipe nobody reads fills up and blocks it);
+the soak run scans that log for tracebacks and shows its tail when the server dies or never
+gets ready. Its pid lets the run read the server's RSS from /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 300.0  # the default model's tokenizer alone takes ~15 s on a busy 2-core machine
+
+
+class LaunchError(Exception):
+    """The server exited or never answered /health: the message has its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    def __init__(self, model_path: str, extra_args: list[str], log_path: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="soak-")) / f"server-{self.port}.log"
+        self.cmd = [sys.executable, "-m", "server", "--model-path", model_path, "--host", "127.0.0.1"]
+        self.cmd += ["--port", str(self.port), *extra_args]
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout: float = START_TIMEOUT) -> LaunchedServer:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise LaunchError(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        """SIGTERM (the server drains and exits 0), a kill after 30 s; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
