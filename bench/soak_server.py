@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 300.0  # the default model's tokenizer alone takes ~15 s on a busy 2-core machine
 
 
-class LaunchError(Exception):
+class LaunchError(RuntimeError):
     """The server exited or never answered /health: the message has its log's tail."""
 
 
@@ -34,6 +34,8 @@ def free_port() -> int:
 
 
 class LaunchedServer:
+    """`python -m server` on a free loopback port (also the server tests' `ServerProcess`)."""
+
     def __init__(self, model_path: str, extra_args: list[str], log_path: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -42,15 +44,22 @@ class LaunchedServer:
         self.cmd += ["--port", str(self.port), *extra_args]
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     def start(self, timeout: float = START_TIMEOUT) -> LaunchedServer:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> LaunchedServer:
+        """Start the process; `wait_ready` then waits for /health."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> LaunchedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -64,6 +73,9 @@ class LaunchedServer:
             time.sleep(0.2)
         self.stop()
         raise LaunchError(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

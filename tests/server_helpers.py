@@ -11,21 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench.soak_server import LaunchedServer, free_port  # noqa: F401 (free_port: re-exported for the tests)
 from tests.sched_harness import build_tiny_folder
 
 REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT = 180  # the default model's GGUF tokenizer alone takes ~15 s on a busy 2-core box
 _tiny_cache: dict[str, str] = {}
 
 
@@ -35,12 +30,6 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
     if "dir" not in _tiny_cache:
         _tiny_cache["dir"] = build_tiny_folder(tmp_path_factory.mktemp("server-tiny"), default_tokenizer)
     return _tiny_cache["dir"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:
@@ -55,75 +44,14 @@ def server_env() -> dict[str, str]:
     return env
 
 
-class ServerProcess:
-    """`python -m server ...` on a free port; `start()` returns once /health answers 200."""
+class ServerProcess(LaunchedServer):
+    """`python -m server ...` on a free port, fp32 on one CPU thread; `start()` returns once
+    /health answers 200 (`LaunchedServer` from bench.soak_server, with the tests' environment)."""
 
     def __init__(self, model: str, *args: str, log_dir: Path, dtype: str = "float32") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(model, ["--dtype", dtype, "--torch-threads", "1", "--device", "cpu", *args])
         self.log_path = log_dir / f"server-{self.port}.log"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "server",
-            "--model-path",
-            model,
-            "--port",
-            str(self.port),
-            "--dtype",
-            dtype,
-            "--torch-threads",
-            "1",
-            "--device",
-            "cpu",
-            *args,
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def launch(self) -> ServerProcess:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready within {timeout}s:\n{self.log_tail()}")
-
-    def start(self) -> ServerProcess:
-        return self.launch().wait_ready()
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
-        return self.proc.returncode
+        self.env = server_env()
 
 
 def get_json(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> dict:

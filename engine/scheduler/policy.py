@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from engine.cache.base_prefix_cache import BasePrefixCache, PrefixNode
 from engine.scheduler.batch import Req
+from engine.server_args import SCHEDULE_POLICIES
 
 # A running request's future need is estimated from at most this many of its remaining tokens.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -59,7 +60,7 @@ def prompt_head(req: Req) -> tuple[int, ...] | None:
 
 
 class SchedulePolicy:
-    POLICIES = ("lpm", "fcfs", "lof", "random")
+    POLICIES = SCHEDULE_POLICIES
 
     def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool) -> None:
         if policy not in self.POLICIES:
