@@ -227,7 +227,7 @@ class Scheduler:
         while idle (`set_internal_state`) holds until the end of the next burst."""
         self.ran_since_idle = False
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        trim_host_memory()  # the burst's freed heap back to the OS (rate-limited)
+        trim_host_memory()  # the burst's freed heap back to the OS
 
     def _place_prefill(self, plan: PrefillPlan) -> ScheduleBatch | None:
         """Lock the planned prefixes, evict, allocate; hand the requests back if they do not fit."""
