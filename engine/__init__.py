@@ -22,10 +22,11 @@ from engine.errors import (
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import SamplingParams
 from engine.scheduler.step import FORWARD_ANNOTATION, SyncScheduler
-from engine.server_args import ServerArgs
+from engine.server_args import GRAMMAR_BACKENDS, ServerArgs
 
 __all__ = [
     "FORWARD_ANNOTATION",
+    "GRAMMAR_BACKENDS",
     "ContextLengthExceededError",
     "Engine",
     "EngineError",

@@ -13,6 +13,7 @@ The data types it takes and returns are in engine/api.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -27,11 +28,13 @@ from engine.actors.prefill_adder import PrefillAdderActor
 from engine.actors.receiver import Receiver
 from engine.actors.supervisor import ActorSystem
 from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
+from engine.constrained import GrammarBackend
 from engine.device import DeviceStream, make_device_stream
 from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler.scheduler import Scheduler, check_internal_state
+from engine.scheduler.internal_state import check_internal_state
+from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Engine:
         self.args = ServerArgs(model_path=model, **options)
         self._runner: ModelRunner | None = None
         self._tokenizer = None
+        self._grammar_backend: GrammarBackend | None = None
         self._system: ActorSystem | None = None
         self._receiver: Receiver | None = None
         self._scheduler: OverlapScheduler | None = None
@@ -55,7 +59,7 @@ class Engine:
 
     async def start(self) -> Engine:
         if self._runner is None:  # loading is slow and blocking: keep the event loop free
-            self._runner, self._tokenizer = await asyncio.to_thread(self._load)
+            self._runner, self._tokenizer, self._grammar_backend = await asyncio.to_thread(self._load)
         runner, args = self._runner, self.args
         cfg = runner.model_config
         pool_tokens = runner.token_to_kv_pool_allocator.size
@@ -67,7 +71,14 @@ class Engine:
         adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
         dispatcher = Dispatcher(routing_table(adder, scheduler))
         output = OutputProcessor(self._tokenizer)
-        receiver = Receiver(self._tokenizer, cfg.vocab_size, runner.context_len, pool_tokens)
+        receiver = Receiver(
+            self._tokenizer,
+            cfg.vocab_size,
+            runner.context_len,
+            pool_tokens,
+            self._grammar_backend,
+            args.grammar_compile_timeout,
+        )
         # Wiring: each actor holds references only to the mailboxes it sends to.
         receiver.dispatcher, receiver.output = dispatcher, output
         output.receiver, output.dispatcher = receiver, dispatcher
@@ -81,9 +92,14 @@ class Engine:
         self._system.start_all()
         return self
 
-    def _load(self) -> tuple[ModelRunner, Any]:
+    def _load(self) -> tuple[ModelRunner, Any, GrammarBackend | None]:
         runner = ModelRunner(self.args)
-        return runner, runner.source.load_tokenizer()
+        tokenizer = runner.source.load_tokenizer()
+        grammar_backend = None
+        if self.args.grammar_backend == "xgrammar":  # the vocabulary's tables: ~0.1 s, once
+            cfg = runner.model_config
+            grammar_backend = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        return runner, tokenizer, grammar_backend
 
     async def stop(self) -> None:
         if self._system is not None:
@@ -150,6 +166,12 @@ class Engine:
             eos_token_ids=tuple(sorted(cfg.eos_token_ids)),
         )
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (after `start()`); read-only by convention."""
+        self._loaded()
+        return self._tokenizer
+
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `token_ids` in the model's tokenizer."""
         self._loaded()
@@ -177,12 +199,41 @@ class Engine:
         """Validate and enqueue one request *now*; returns the stream its deltas arrive on.
 
         Typed errors (bad sampling value, prompt too long) raise here, before anything is
-        streamed, so a server can map them to a status before it commits to a streaming 200. The
+        streamed, so a server can map them to a status before it commits to a streaming 200. A
+        grammar not yet compiled waits in the receiver's grammar queue, and its errors come as
+        the stream's `abort` delta: `await submit(...)` raises them instead. The
         caller owns the result: iterate it to the end or `aclose()` it (which aborts the request
         and frees its memory), also when it was never iterated.
         """
         receiver = self._check()
         rid, queue = receiver.submit(prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num)
+        return RequestStream(rid, queue, receiver.close_stream)
+
+    async def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """`open_stream`, awaiting the request's grammar (json_schema / regex / ebnf) first.
+
+        The grammar compiles in the grammar backend's threads (the event loop keeps serving
+        everyone else); a bad spec raises InvalidRequestError naming its field and a compile past
+        `grammar_compile_timeout` raises GrammarCompileTimeoutError, both before anything is
+        enqueued. `chat_template_kwargs` go to the chat template (e.g. `tools` for a template
+        that renders them). What `generate`, `stream` and the server use.
+        """
+        receiver = self._check()
+        params = params or SamplingParams()
+        params.verify(receiver.vocab_size)  # before a compile is queued for a request that cannot run
+        grammar = await receiver.compile_grammar(params)
+        receiver = self._check()  # the engine may have died while it compiled
+        rid, queue = receiver.submit(
+            prompt, params, rid, return_logprob, top_logprobs_num, grammar, chat_template_kwargs
+        )
         return RequestStream(rid, queue, receiver.close_stream)
 
     async def stream(
@@ -199,7 +250,7 @@ class Engine:
         and frees its memory. Errors surface on the first `anext()`; use `open_stream` to have
         them at once.
         """
-        stream = self.open_stream(prompt, params, rid, return_logprob, top_logprobs_num)
+        stream = await self.submit(prompt, params, rid, return_logprob, top_logprobs_num)
         try:
             async for delta in stream:
                 yield delta
@@ -215,7 +266,7 @@ class Engine:
         top_logprobs_num: int = 0,
     ) -> GenerateResult:
         builder = ResultBuilder()
-        stream = self.open_stream(prompt, params, rid, return_logprob, top_logprobs_num)
+        stream = await self.submit(prompt, params, rid, return_logprob, top_logprobs_num)
         try:
             async for delta in stream:
                 builder.add(delta)
@@ -244,6 +295,8 @@ class Engine:
         state["healthy"] = self.healthy
         state["actors"] = [s.name + ":" + s.state for s in stats]
         state["message_errors"] = sum(s.message_errors for s in stats)  # handled, contained failures
+        if self._grammar_backend is not None:
+            state["grammar_cache"] = dataclasses.asdict(self._grammar_backend.cache_info())
         return state
 
     async def set_internal_state(self, **state: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 # The smallest KV pool that can serve one real request: a chat-templated prompt and an answer.
 MIN_POOL_TOKENS = 256
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,6 +68,11 @@ class ServerArgs:
     # kernel): every thread's stack is logged, its requests fail, the engine turns unhealthy (the
     # server then exits non-zero for its supervisor). None or <= 0 disables it.
     watchdog_timeout: float | None = 300.0
+    # Structured output (json_schema / regex / ebnf, OpenAI response_format and tools), SGLang's
+    # flags: "xgrammar" or "none" (such requests are then refused). A grammar that does not
+    # compile within grammar_compile_timeout seconds fails its request with a 400.
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 30.0
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.
@@ -97,6 +103,11 @@ class ServerArgs:
             fail("mem_fraction_static", "a fraction in (0, 1]")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             fail("schedule_policy", f"one of {', '.join(SCHEDULE_POLICIES)}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            fail("grammar_backend", f"one of {', '.join(GRAMMAR_BACKENDS)}")
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            fail("grammar_compile_timeout", "a positive number of seconds")
         try:
             self.resolved_watchdog_timeout()
             self.resolved_q4_max_tokens()

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
+from engine import GRAMMAR_BACKENDS
 from server.arg_types import (
     chunk_size,
     fraction,
@@ -189,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
         "logged, its requests fail and the server exits with status 3 for its supervisor; 0 disables "
         "(default: 300)",
     )
+    g.add_argument(
+        "--grammar-backend",
+        choices=GRAMMAR_BACKENDS,
+        help="structured output (response_format, tools, json_schema/regex/ebnf): xgrammar, or none to "
+        "refuse such requests (default: xgrammar)",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=positive_float,
+        help="seconds a request's grammar may take to compile before the request fails with a 400 (default: 30)",
+    )
     return p
 
 
@@ -206,6 +218,8 @@ _ENGINE_OPTIONS = (
     "torch_threads",
     "q4_max_tokens",
     "watchdog_timeout",
+    "grammar_backend",
+    "grammar_compile_timeout",
 )
 
 

@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from engine import ContextLengthExceededError, EngineUnhealthyError, InvalidRequestError, RequestTooLargeError
+from engine import (
+    ContextLengthExceededError,
+    EngineUnhealthyError,
+    GrammarCompileTimeoutError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 
 T = TypeVar("T")
 
@@ -113,6 +119,8 @@ def to_api_error(exc: BaseException) -> ApiError | None:
         return ApiError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestTooLargeError):
         return ApiError(400, str(exc), param=exc.param, code="request_too_large")
+    if isinstance(exc, GrammarCompileTimeoutError):
+        return ApiError(400, exc.message, param=exc.param, code="grammar_compile_timeout")
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, exc.message, param=exc.param)
     if isinstance(exc, EngineUnhealthyError):

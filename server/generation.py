@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from engine import Prompt, RequestStream, ResultBuilder, SamplingParams, StreamDelta
-from server.errors import ApiError
+from engine import InvalidRequestError, Prompt, RequestStream, ResultBuilder, SamplingParams, StreamDelta
+from server.errors import ApiError, to_api_error
 from server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,18 @@ class GenSpec:
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class GenerationGroup:
-    def __init__(self, state: ServerState, specs: list[GenSpec]) -> None:
+    def __init__(
+        self, state: ServerState, specs: list[GenSpec], rename_param: Callable[[str | None], str | None] | None = None
+    ) -> None:
         self.state = state
         self.specs = specs
+        # The engine's name of a bad field -> the one the client sent (OpenAI's response_format
+        # is the engine's json_schema), for errors raised while opening.
+        self.rename_param = rename_param
         self.aborted: ApiError | None = None  # set by abort(): what the consumer's iteration raises
         self._streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
@@ -56,9 +63,18 @@ class GenerationGroup:
         try:
             engine = self.state.engine
             for s in self.specs:
+                # awaits a grammar's compile (off the loop); its errors raise here, before any 200
                 self._streams.append(
-                    engine.open_stream(s.prompt, s.params, s.rid, s.return_logprob, s.top_logprobs_num)
+                    await engine.submit(
+                        s.prompt, s.params, s.rid, s.return_logprob, s.top_logprobs_num, s.chat_template_kwargs
+                    )
                 )
+        except InvalidRequestError as e:
+            await self.aclose()
+            error = to_api_error(e)
+            if error is not None and self.rename_param is not None:
+                error.param = self.rename_param(error.param)
+            raise error or e from None
         except BaseException:
             await self.aclose()
             raise

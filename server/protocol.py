@@ -40,7 +40,7 @@ class _SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # OpenAI's shape: token ids are object keys, so strings; `openai_api._logit_bias` parses them
+    # OpenAI's shape: token ids are object keys, so strings; `openai_common.logit_bias_map` parses them
     # (a bad key is a 400 naming logit_bias) and the engine's verify() checks ids and values.
     logit_bias: Annotated[
         dict[str, float] | None,
@@ -59,6 +59,10 @@ class _SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    # Structured output (server/structured.py): OpenAI's response_format, SGLang's regex / ebnf.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -82,6 +86,10 @@ class ChatMessage(Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
+    # An earlier assistant turn's calls ({"id", "type": "function", "function": {"name",
+    # "arguments"}}), and a tool result's reference to its call (server/tool_calls.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -90,9 +98,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- OpenAI responses ------------------------------------------------------------------------
@@ -150,9 +158,21 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct):
@@ -172,9 +192,25 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(Struct, omit_defaults=True):
+    """One streamed piece of call `index`: the first has id, type and the name; a call's
+    `function.arguments` pieces concatenate to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -20,6 +20,7 @@ from engine import Engine
 from server.config import ServerConfig
 from server.errors import ApiError, unavailable
 from server.metrics import Metrics
+from server.tool_calls import template_supports_tools
 
 
 class Abortable(Protocol):
@@ -44,6 +45,8 @@ class ServerState:
         q = config.max_queued_requests
         self.max_inflight = None if q is None else engine.args.max_running_requests + q
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        # Whether the chat template renders `tools` (Hermes/Qwen style); else the generic format.
+        self.native_tools = template_supports_tools(engine.tokenizer)
 
     @property
     def context_len(self) -> int:

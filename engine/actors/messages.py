@@ -13,7 +13,8 @@ Flow (SGLang's names where they exist):
     OutputProcessor --StopStrMatched--> Dispatcher
     OverlapScheduler --ControlReply--> Receiver
 
-Most messages carry plain data (ids, token lists, deltas), so their unions decode from msgpack.
+Most messages carry plain data (ids, token lists, deltas), so their unions decode from msgpack
+(TokenizedGenerateReq's compiled grammar is a shared read-only object, like the tokenizer).
 Three carry `Req` objects by reference (`PlanPrefillReq`, `PrefillPlanReply`, `RequeueReqs`):
 they hand a request between the PrefillAdder and the scheduler, and ownership moves with the
 message (the sender does not touch it afterwards). That boundary stays inside one process: the
@@ -27,6 +28,7 @@ from typing import Any
 import msgspec
 
 from engine.api import StreamDelta
+from engine.constrained import CompiledGrammar
 from engine.sampling import SamplingParams
 from engine.scheduler.batch import Req
 from engine.scheduler.output import BatchTokenOut
@@ -58,6 +60,10 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     seed: int  # resolved: the user's seed, or one drawn at submission
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # The compiled grammar of sampling_params' json_schema/regex/ebnf, by reference: a shared,
+    # read-only object (like the tokenizer). Across a process boundary it would be re-fetched
+    # from that side's grammar cache by sampling_params.grammar_spec().
+    grammar: CompiledGrammar | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):

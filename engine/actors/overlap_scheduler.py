@@ -8,8 +8,9 @@ Event loop of one step (SGLang's overlap loop, on asyncio):
 
 Planning is `Scheduler.prefill_budget` -> the PrefillAdder actor (`PlanPrefillReq`, waited for
 with a selective receive that leaves every other message queued) -> `Scheduler.next_batch`; the
-same calls `SyncScheduler` makes directly. With overlap off, or when a running request uses
-penalties (they need every previous token), N's result is processed before N+1 is planned.
+same calls `SyncScheduler` makes directly. With overlap off, or when batch N holds a request
+whose next token depends on N's (penalties count it, a grammar's mask follows it:
+`LaunchedBatch.needs_sync`), N's result is processed before N+1 is planned.
 Outputs are identical either way.
 
 Aborts and stop strings come here first. The scheduler holds every request that is not in the
@@ -50,7 +51,8 @@ from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
 from engine.errors import InvalidRequestError, WatchdogTimeoutError
 from engine.scheduler.batch import FinishReason, Req
-from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler, check_internal_state
+from engine.scheduler.internal_state import check_internal_state
+from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler
 from engine.scheduler.step import TimedResult, run_batch
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ class OverlapScheduler(Actor):
         while True:
             for msg in self.drain():
                 self.contain(self._handle, msg)
-            if inflight is not None and (not self.enable_overlap or self._needs_sync()):
+            if inflight is not None and (not self.enable_overlap or inflight.lb.needs_sync):
                 await self._finish(inflight)
                 inflight = None
             launched = await self._launch_next()
@@ -182,9 +184,6 @@ class OverlapScheduler(Actor):
         if out.rids:
             self.output.send(out)
         raise error
-
-    def _needs_sync(self) -> bool:
-        return any(r.sampling_params.has_penalties() for r in self.sched.running_batch.reqs)
 
     def _has_work(self) -> bool:
         return not self.sched.is_idle()

@@ -114,6 +114,7 @@ class PrefillAdderActor(Actor):
             max_context_len=self.context_len,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
+            grammar=msg.grammar,
         )
         if len(msg.input_ids) + self.planner.page_size > self.pool_tokens:
             req.abort(

@@ -2,7 +2,10 @@
 
 `submit()` runs in the caller's task: it validates sampling parameters, tokenizes text or chat
 messages with the model's chat template, registers the request's output stream, and forwards the
-tokenized request. Validation errors are raised right there, typed, so a caller (or the HTTP
+tokenized request. A structured-output request needs its grammar compiled first: callers that
+can await do it with `compile_grammar` (so a bad spec raises before anything streams); others
+leave it to the grammar queue (`compiling`), a task per request that forwards it once compiled.
+Validation errors are raised right there, typed, so a caller (or the HTTP
 layer mapping them to 400) never waits on a request that was never going to run.
 Its mailbox receives text deltas (routed to the per-request streams) and control replies.
 """
@@ -13,13 +16,21 @@ import asyncio
 import itertools
 import random
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from engine.actors.messages import AbortReq, BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
 from engine.actors.runtime import Actor
 from engine.api import Prompt
-from engine.errors import ContextLengthExceededError, EngineUnhealthyError, InvalidRequestError, RequestTooLargeError
+from engine.constrained import CompiledGrammar, GrammarBackend
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from engine.sampling import SamplingParams
 
 DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
@@ -28,8 +39,19 @@ DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token
 class Receiver(Actor):
     accepts = (BatchStrOut, ControlReply)
 
-    def __init__(self, tokenizer, vocab_size: int, context_len: int, pool_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        context_len: int,
+        pool_tokens: int,
+        grammar_backend: GrammarBackend | None = None,
+        grammar_compile_timeout: float | None = None,
+    ) -> None:
         super().__init__("receiver")
+        self.grammar_backend = grammar_backend  # None: structured output is off
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self.compiling: dict[str, asyncio.Task[None]] = {}  # the grammar queue, by rid
         self.pool_tokens = pool_tokens
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -40,7 +62,7 @@ class Receiver(Actor):
         self.pending: dict[int, asyncio.Future[ControlReply]] = {}
         self._ids = itertools.count()
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
@@ -54,12 +76,23 @@ class Receiver(Actor):
         if all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
             try:
                 ids = self.tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False, **(chat_template_kwargs or {})
                 )
             except Exception as e:  # a template error is the caller's bad input
                 raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
             return list(ids)
         raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", "prompt")
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of `params` (None without one), compiled in the grammar backend's
+        threads, never on the event loop. Raises InvalidRequestError naming the field for a bad
+        spec, GrammarCompileTimeoutError past `grammar_compile_timeout`."""
+        spec = params.grammar_spec()
+        if spec is None:
+            return None
+        if self.grammar_backend is None:
+            raise InvalidRequestError("structured output is disabled on this engine (grammar_backend='none')", spec[0])
+        return await self.grammar_backend.compile_async(*spec, timeout=self.grammar_compile_timeout)
 
     def submit(
         self,
@@ -68,12 +101,22 @@ class Receiver(Actor):
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        grammar: CompiledGrammar | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, asyncio.Queue[StreamDelta]]:
-        """Validate and enqueue one request; returns its rid and the queue its deltas arrive on."""
+        """Validate and enqueue one request; returns its rid and the queue its deltas arrive on.
+
+        A request with a grammar spec but no compiled `grammar` (a caller that could not await
+        `compile_grammar`) waits in the grammar queue: a task compiles it and then forwards the
+        request; a spec that fails ends the stream with an `abort` delta carrying the error.
+        """
         params.verify(self.vocab_size)
         if not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be between 0 and 20", "top_logprobs")
-        ids = self.tokenize(prompt)
+        spec = params.grammar_spec()
+        if spec is not None and grammar is None and self.grammar_backend is None:
+            raise InvalidRequestError("structured output is disabled on this engine (grammar_backend='none')", spec[0])
+        ids = self.tokenize(prompt, chat_template_kwargs)
         if len(ids) >= self.context_len:
             raise ContextLengthExceededError(
                 f"the prompt has {len(ids)} tokens, but the model's context length is {self.context_len}", "prompt"
@@ -91,18 +134,56 @@ class Receiver(Actor):
             return rid, queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.streams[rid] = queue
-        self.output.send(RegisterReq(rid, ids[-DETOKENIZE_CONTEXT:], params.skip_special_tokens, params.stop_strs))
-        self.dispatcher.send(
-            TokenizedGenerateReq(rid, ids, params, seed, return_logprob or top_logprobs_num > 0, top_logprobs_num)
+        req = TokenizedGenerateReq(
+            rid, ids, params, seed, return_logprob or top_logprobs_num > 0, top_logprobs_num, grammar
         )
+        if spec is not None and grammar is None:
+            self.compiling[rid] = asyncio.get_running_loop().create_task(self._compile_then_forward(req))
+        else:
+            self._forward(req)
         return rid, queue
+
+    def _forward(self, req: TokenizedGenerateReq) -> None:
+        params = req.sampling_params
+        context = req.input_ids[-DETOKENIZE_CONTEXT:]
+        self.output.send(RegisterReq(req.rid, context, params.skip_special_tokens, params.stop_strs))
+        self.dispatcher.send(req)
+
+    async def _compile_then_forward(self, req: TokenizedGenerateReq) -> None:
+        """The grammar queue: the request waits here, off the scheduler's path, until its
+        grammar is compiled; requests without a grammar never wait behind it."""
+        try:
+            req.grammar = await self.compile_grammar(req.sampling_params)
+        except EngineError as e:
+            self._end(req.rid, str(e), len(req.input_ids))
+            return
+        finally:
+            self.compiling.pop(req.rid, None)
+        if req.rid in self.streams:  # not closed while it compiled
+            self._forward(req)
+
+    def _end(self, rid: str, error: str, prompt_tokens: int = 0) -> None:
+        """End a stream that never reached the scheduler with an `abort` delta."""
+        queue = self.streams.pop(rid, None)
+        if queue is not None:
+            queue.put_nowait(StreamDelta(rid, "", [], finish_reason="abort", error=error, prompt_tokens=prompt_tokens))
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         """Abort `rid`; its stream stays open and gets the final (abort) delta."""
+        task = self.compiling.pop(rid, None)
+        if task is not None:  # still in the grammar queue: nothing downstream knows it
+            task.cancel()
+            self._end(rid, message)
+            return
         self.dispatcher.send(AbortReq(rid, message))
 
     def close_stream(self, rid: str, message: str = "the client stopped reading") -> None:
         """The consumer of `rid` went away: forget its stream and abort the request."""
+        task = self.compiling.pop(rid, None)
+        if task is not None:
+            task.cancel()
+            self.streams.pop(rid, None)
+            return
         if self.streams.pop(rid, None) is not None and self.dispatcher.running:
             self.dispatcher.send(AbortReq(rid, message))
 
@@ -133,6 +214,9 @@ class Receiver(Actor):
 
     def fail_all(self, message: str) -> None:
         """End every open stream with an error (the engine lost a stage)."""
+        for task in self.compiling.values():
+            task.cancel()
+        self.compiling.clear()
         for rid, queue in list(self.streams.items()):
             queue.put_nowait(StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", error=message))
         self.streams.clear()

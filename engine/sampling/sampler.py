@@ -18,6 +18,7 @@ every row takes the same code path.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.constrained import apply_bitmask
 from engine.sampling.counter_rng import counter_uniforms
 from engine.sampling.counter_rng import mix64_ as mix64_  # re-exported: tests import it from here
 from engine.sampling.logit_bias import LogitBias, apply_logit_bias, pack_logit_bias
@@ -100,6 +102,11 @@ class SamplingBatchInfo:
     # logit_bias, sparse: None unless some request has one (logit_bias.py).
     logit_bias_index: Tensor | None = None  # [M] int64, flat row*V+token
     logit_bias_values: Tensor | None = None  # [M] float32
+    # Structured output: the grammar's token bitmask (int32 [>=B, ceil(V/32)], CPU, pinned on
+    # CUDA) and the rows it restricts; None when no row is constrained (engine.constrained).
+    vocab_mask: Tensor | None = None
+    vocab_mask_rows: list[int] | None = None
+    mask_fill_s: float = 0.0  # host time the scheduler spent filling the bitmask
     # Log-prob requests, batch level: the sampler computes them for all rows or none.
     return_logprob: bool = False
     top_logprobs_num: int = 0  # max over the batch, capped at vocab_size
@@ -126,6 +133,7 @@ class SamplingBatchInfo:
         top_logprobs_num: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         logit_biases: Sequence[LogitBias | None] | None = None,
+        constrained: Sequence[bool] | None = None,
     ) -> SamplingBatchInfo:
         """Build the batch state from per-request Python values.
 
@@ -135,7 +143,9 @@ class SamplingBatchInfo:
         (optional) are banned, together with the request's stop_token_ids, while a request has
         generated fewer than `min_new_tokens` tokens (EOS is not banned under `ignore_eos`).
         `logit_biases` are the requests' `LogitBias` arrays, built once per request by the caller;
-        when omitted they are built here from `params`.
+        when omitted they are built here from `params`. `constrained` marks rows under a grammar
+        (the caller sets `vocab_mask`): min_new_tokens bans nothing there, since a completed
+        grammar allows only its stop tokens and banning them would leave no token at all.
 
         This runs every decode step, so it makes one Python pass over the requests and one
         host->device copy per group of fields (the logit_bias entries ride in the same two
@@ -157,7 +167,7 @@ class SamplingBatchInfo:
         for i, p in enumerate(params):
             use_freq_presence |= p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             use_repetition |= p.repetition_penalty != 1.0
-            if steps[i] < p.min_new_tokens:
+            if steps[i] < p.min_new_tokens and not (constrained and constrained[i]):
                 banned.extend(_min_tokens_banned(p, i, vocab_size, eos_token_ids))
             if p.is_greedy:
                 temperatures.append(1.0)
@@ -279,6 +289,8 @@ class SamplerOutput:
     logprobs: Tensor | None = None  # [B] float32, log-prob of next_token_ids
     top_logprobs_val: Tensor | None = None  # [B, N] float32
     top_logprobs_idx: Tensor | None = None  # [B, N] int64
+    mask_fill_s: float = 0.0  # the scheduler's bitmask fill time for this batch (passed through)
+    mask_apply_s: float = 0.0  # host time spent applying grammar masks (on CUDA: launching it)
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -347,11 +359,25 @@ class Sampler:
     temperature and top-k/top-p/min-p (vLLM's default). They describe what the model predicted,
     comparable across requests whatever their sampling settings, and they are cheap to get on the
     fast path. So a token forced by a +100 bias reports the model's own log-prob for it, not ~0.
+    A grammar is the exception: its mask is a hard constraint, not a preference, so a
+    constrained row's log-probs are over the tokens its grammar allows (as SGLang reports them).
     """
 
     def __call__(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[1] != info.vocab_size:
             raise ValueError(f"logits must be [B, {info.vocab_size}], got {tuple(logits.shape)}")
+        mask_apply_s = 0.0
+        if info.vocab_mask_rows:
+            # First, in place: a disallowed token is -inf whatever the bias, penalties or
+            # temperature do to it, and log-probs describe the allowed set.
+            t0 = time.perf_counter()
+            apply_bitmask(logits, info.vocab_mask, info.vocab_mask_rows)
+            mask_apply_s = time.perf_counter() - t0
+        out = self._choose(logits, info)
+        out.mask_fill_s, out.mask_apply_s = info.mask_fill_s, mask_apply_s
+        return out
+
+    def _choose(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         biased = info.logit_bias_index is not None
         if info.is_all_greedy and not (info.need_penalties or info.need_logprobs or biased):
             return SamplerOutput(next_token_ids=logits.argmax(dim=-1))

@@ -10,8 +10,9 @@ sampler several steps later.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -48,6 +49,10 @@ MAX_STOP_TOKEN_IDS = 1024
 # exclude most of the vocabulary wants constrained decoding, not a bias per token.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Structured output: the grammar fields, and a bound on a spec's text (a schema beyond this is
+# not a response format but an attack on the compiler; the body limit already bounds it too).
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 def _is_int(value: object) -> bool:
@@ -85,11 +90,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # token id -> bias added to its logit before penalties, temperature and top-k/top-p/min-p
     # (OpenAI's semantics). JSON object keys decode to int ("123" -> 123); others are a 400.
     logit_bias: dict[int, float] | None = None
+    # Structured output (SGLang's names): at most one. The output is constrained to the grammar
+    # (xgrammar) and ends with "stop" when the grammar completes. A JSON schema may be given as
+    # its JSON text or, in process, as a dict.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
         """True when this request decodes by argmax (no randomness at all)."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """(kind, spec) of the request's grammar ("json_schema" | "regex" | "ebnf"), or None.
+        Call after `verify()`, which guarantees at most one is set."""
+        if self.json_schema is not None:
+            schema = self.json_schema
+            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.ebnf is not None:
+            return "ebnf", self.ebnf
+        return None
 
     def has_penalties(self) -> bool:
         """Whether sampling needs the request's previous tokens (frequency/presence/repetition)."""
@@ -117,6 +140,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._verify_types()
         self._verify_ranges()
         self._verify_logit_bias(vocab_size)
+        self._verify_grammar()
         if vocab_size is not None and self.stop_token_ids:
             for token_id in self.stop_token_ids:
                 if not 0 <= token_id < vocab_size:
@@ -188,6 +212,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
                 "stop_token_ids",
             )
+
+    def _verify_grammar(self) -> None:
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"at most one of json_schema, regex and ebnf may be given, got {' and '.join(given)}", given[1]
+            )
+        for name in given:
+            value = getattr(self, name)
+            allowed = (str, dict) if name == "json_schema" else (str,)
+            if not isinstance(value, allowed):
+                kinds = "a string or an object" if name == "json_schema" else "a string"
+                raise InvalidRequestError(f"{name} must be {kinds}, got {type(value).__name__}", name)
+            if isinstance(value, str) and not value.strip():
+                raise InvalidRequestError(f"{name} must not be empty", name)
+            if isinstance(value, str) and len(value) > MAX_GRAMMAR_CHARS:
+                raise InvalidRequestError(
+                    f"{name} allows at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}", name
+                )
 
     def _verify_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

@@ -14,6 +14,7 @@ or wait.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.constrained import CompiledGrammar, GrammarState, allocate_bitmask, fill_bitmasks
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from engine.sampling import LogitBias, SamplingBatchInfo, SamplingParams
 
@@ -48,6 +50,7 @@ class Req:
         "extend_input_len",
         "fill_ids",
         "finished_reason",
+        "grammar",
         "is_chunked",
         "kv_committed_len",
         "kv_computed_len",
@@ -77,6 +80,7 @@ class Req:
         max_context_len: int,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -91,6 +95,8 @@ class Req:
         self.eos_token_ids = eos_token_ids
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.logit_bias = LogitBias.from_params(sampling_params)  # arrays built once, packed every step
+        # Structured output: the matcher has accepted exactly `output_ids` (see GrammarState).
+        self.grammar = GrammarState(grammar, self.stop_token_ids) if grammar is not None else None
         self.max_context_len = max_context_len
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
@@ -109,9 +115,29 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def needs_sync(self) -> bool:
+        """Whether sampling this request's next token needs its previous one on the host
+        (penalties count it, a grammar's mask follows it), so a batch holding it must be
+        processed before the next batch is planned: no overlap for it."""
+        return self.grammar is not None or self.sampling_params.has_penalties()
+
+    def accept_token(self, token_id: int) -> None:
+        """Append a sampled token (advancing the grammar, which must allow it) and check finish."""
+        self.output_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            # The mask forbids what was sampled: a bug upstream. End the request rather than
+            # hand out output its grammar does not allow.
+            self.finished_reason = Finished(
+                FinishReason.ABORT, message=f"internal error: token {token_id} violates the request's grammar"
+            )
+            return
+        self.check_finished()
+
     def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and the cached prefix before (re)scheduling a prefill of this request."""
         self.fill_ids = self.origin_input_ids + self.output_ids
+        if self.grammar is not None and self.grammar.num_accepted != len(self.output_ids):
+            self.grammar.rebuild(self.output_ids)  # never expected; cheap insurance on a re-prefill
         if tree_cache is not None:
             # Keep at least one token to compute: its logits produce the next token.
             self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:-1])
@@ -122,6 +148,11 @@ class Req:
         if self.finished():
             return
         params = self.sampling_params
+        if self.grammar is not None and self.grammar.is_terminated():
+            # The grammar accepted a stop token (EOS or a stop_token_id): the structured output is
+            # complete. Ends the request even under ignore_eos or before min_new_tokens.
+            self.finished_reason = Finished(FinishReason.STOP, matched=self.output_ids[-1])
+            return
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = Finished(FinishReason.LENGTH)
             return
@@ -315,6 +346,8 @@ class ScheduleBatch:
         # from output_ids, because under overlap output_ids lags one step behind.
         steps = [r.kv_committed_len - len(r.origin_input_ids) for r in reqs]
         need_history = any(r.sampling_params.has_penalties() for r in reqs)
+        grammars = [r.grammar for r in reqs]
+        constrained = any(g is not None for g in grammars)
         sampling_info = SamplingBatchInfo.from_requests(
             params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
@@ -327,7 +360,15 @@ class ScheduleBatch:
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
             logit_biases=[r.logit_bias for r in reqs],
+            constrained=[g is not None for g in grammars] if constrained else None,
         )
+        if constrained:
+            t0 = time.perf_counter()
+            mask = allocate_bitmask(len(reqs), self.vocab_size, pin_memory=self.device.type == "cuda")
+            rows = fill_bitmasks(grammars, mask)
+            if rows:
+                sampling_info.vocab_mask, sampling_info.vocab_mask_rows = mask, rows
+            sampling_info.mask_fill_s = time.perf_counter() - t0
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,

@@ -34,7 +34,7 @@ import torch
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
-from engine.errors import InvalidRequestError
+from engine.constrained import CompiledGrammar
 from engine.host_memory import trim_host_memory
 from engine.model_executor.forward_batch_info import ForwardMode
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
@@ -59,24 +59,6 @@ class MemoryLeakError(RuntimeError):
     """`check_memory` found KV slots or request rows unaccounted for while idle."""
 
 
-def check_internal_state(state: dict) -> dict[str, int | float]:
-    """The settable scheduler knobs in `state`, validated: InvalidRequestError names a bad one."""
-    out: dict[str, int | float] = {}
-    for key, value in state.items():
-        if key == "max_running_requests":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidRequestError(f"max_running_requests must be an integer >= 1, got {value!r}", key)
-        elif key == "new_token_ratio":
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-                raise InvalidRequestError(f"new_token_ratio must be a number in [0, 1], got {value!r}", key)
-            value = float(value)
-        else:
-            settable = ["max_running_requests", "new_token_ratio"]
-            raise InvalidRequestError(f"cannot set {key!r}; settable: {settable}", key)
-        out[key] = value
-    return out
-
-
 @dataclass
 class LaunchedBatch:
     """A batch handed to the device, with what result processing must know about it."""
@@ -88,6 +70,12 @@ class LaunchedBatch:
     mode: ForwardMode
     mid_chunk: list[bool]  # this forward computed a non-final chunk of that request's prompt
     launched_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def needs_sync(self) -> bool:
+        """Some request in it needs this batch's token on the host before its next batch is
+        built (`Req.needs_sync`): process this result before planning the next batch."""
+        return any(r.needs_sync() for r in self.reqs)
 
 
 class Scheduler:
@@ -117,6 +105,8 @@ class Scheduler:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.grammar_steps = 0  # batches with a grammar mask, and the host time filling/applying them
+        self.grammar_mask_fill_s = self.grammar_mask_apply_s = 0.0
         self.started_at = time.perf_counter()
 
     def new_planner(self) -> PrefillPlanner:
@@ -125,9 +115,16 @@ class Scheduler:
         return PrefillPlanner(policy, self.tree_cache, self.page_size)
 
     def new_req(
-        self, rid: str, input_ids: list[int], params, seed: int, return_logprob: bool = False, top_logprobs_num: int = 0
+        self,
+        rid: str,
+        input_ids: list[int],
+        params,
+        seed: int,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> Req:
-        """A `Req` for this model (its EOS ids and context length)."""
+        """A `Req` for this model (its EOS ids and context length), under `grammar` if given."""
         cfg = self.runner.model_config
         return Req(
             rid,
@@ -138,6 +135,7 @@ class Scheduler:
             max_context_len=self.runner.context_len,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
+            grammar=grammar,
         )
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -355,6 +353,10 @@ class Scheduler:
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
         top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
+        if out.mask_fill_s or out.mask_apply_s:
+            self.grammar_steps += 1
+            self.grammar_mask_fill_s += out.mask_fill_s
+            self.grammar_mask_apply_s += out.mask_apply_s
         msg = BatchTokenOut()
         for i, req in enumerate(lb.reqs):
             if req.finished() or lb.epochs[i] != req.epoch:
@@ -363,7 +365,7 @@ class Scheduler:
             if lb.mid_chunk[i]:
                 continue  # a middle chunk: its sampled token means nothing
             tok = ids[i]
-            req.output_ids.append(tok)
+            req.accept_token(tok)  # appends, advances its grammar, checks finish
             self.generated_tokens += 1
             lp = top = None
             if req.return_logprob and lps is not None:
@@ -371,7 +373,6 @@ class Scheduler:
                 if req.top_logprobs_num and top_idx is not None:
                     n = req.top_logprobs_num
                     top = list(zip(top_idx[i][:n], top_val[i][:n]))
-            req.check_finished()
             if lb.mode.is_extend() and not req.finished():
                 # Make the just-computed prompt shareable while the request decodes (SGLang does
                 # the same); the request is re-pointed at the tree's slots.
@@ -440,6 +441,9 @@ class Scheduler:
             "generated_tokens": self.generated_tokens,
             "gen_throughput": self.generated_tokens / elapsed,
             "max_running_requests": self.max_running_requests,
+            "grammar_steps": self.grammar_steps,
+            "grammar_mask_fill_s": self.grammar_mask_fill_s,
+            "grammar_mask_apply_s": self.grammar_mask_apply_s,
             "page_size": self.page_size,
             "radix_cache": not self.args.disable_radix_cache,
         }

@@ -13,6 +13,7 @@ before N's result is processed) without asyncio.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from engine.api import StepRecord
+from engine.constrained import GrammarBackend
 from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestTooLargeError
 from engine.model_executor.forward_batch_info import ModelWorkerBatch
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
@@ -67,6 +69,12 @@ class SyncScheduler:
         # Called with each forward's ModelWorkerBatch before it runs (tests count prefill tokens).
         self.on_forward: Callable[..., None] | None = None
 
+    @functools.cached_property
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler for this model, built on first use (structured-output requests)."""
+        cfg = self.runner.model_config
+        return GrammarBackend(self.runner.source.load_tokenizer(), cfg.vocab_size, cfg.eos_token_ids)
+
     @classmethod
     def from_args(cls, args: ServerArgs) -> SyncScheduler:
         return cls(ModelRunner(args), args)
@@ -97,8 +105,10 @@ class SyncScheduler:
         if len(input_ids) + self.scheduler.page_size > self.scheduler.allocator.size:
             raise RequestTooLargeError(f"the prompt has {len(input_ids)} tokens; the KV pool is smaller", "prompt")
         seed = seed if seed is not None else params.seed if params.seed is not None else random.getrandbits(63)
+        spec = params.grammar_spec()
+        grammar = self.grammar_backend.compile(*spec) if spec is not None else None  # blocking: no loop here
         req = self.scheduler.new_req(
-            rid or f"req-{next(_rids)}", input_ids, params, seed, return_logprob, top_logprobs_num
+            rid or f"req-{next(_rids)}", input_ids, params, seed, return_logprob, top_logprobs_num, grammar
         )
         self.add(req)
         return req
@@ -151,6 +161,9 @@ class SyncScheduler:
         pending: tuple[LaunchedBatch, GenerationBatchResult] | None = None
         steps = 0
         for _ in range(max_steps):
+            if overlap and pending is not None and pending[0].needs_sync:
+                self.process(*pending)  # as the overlap scheduler: its next batch needs these tokens
+                pending = None
             lb = self.plan()
             launched = None if lb is None else (lb, self.run(lb))
             steps += launched is not None

@@ -1,0 +1,197 @@
+"""/v1/chat/completions: messages through the model's chat template, structured output
+(response_format, server/structured.py) and tool calling (server/tool_calls.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine import SamplingParams
+from server.errors import ApiError, abort_error
+from server.generation import GenerationGroup, GenSpec
+from server.openai_common import (
+    chat_logprobs,
+    check_done,
+    finish_reason,
+    new_id,
+    samples,
+    sampling_params,
+    usage_of,
+)
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    FunctionCall,
+    FunctionCallDelta,
+    ImageUrlPart,
+    ToolCallChunk,
+    ToolCallOut,
+    Usage,
+)
+from server.request_body import read_json
+from server.sse import send_done, send_event, sse_stream
+from server.state import STATE, ServerState
+from server.structured import schema_param
+from server.tool_calls import StreamingToolParser, ToolCallDelta, ToolPlan, parse_tool_request
+
+
+def _chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    out = []
+    for k, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(isinstance(p, ImageUrlPart) for p in content):
+                raise ApiError(400, "image content is not supported by this model", param=f"messages[{k}].content")
+            content = "\n".join(p.text for p in content)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls is not None:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _with_tools(
+    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]], sp: SamplingParams
+) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any] | None, SamplingParams]:
+    """Tool calling: the tools rendered into the prompt (by the chat template when it supports
+    them, else the generic system message), and the output constrained where tool_choice asks.
+    Returns the plan (None: no tools, or tool_choice "none"), messages, chat-template kwargs and
+    sampling params."""
+    plan = parse_tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if plan is None:
+        return None, messages, None, sp
+    native = state.native_tools
+    messages, template_kwargs = plan.render(messages, native)
+    constraint = plan.grammar(native)  # a tool schema xgrammar cannot take is a 400 naming it
+    if constraint is not None:
+        if sp.grammar_spec() is not None:
+            raise ApiError(
+                400,
+                f"tool_choice {plan.choice!r} constrains the output; it cannot be combined with "
+                "response_format (json), regex or ebnf",
+                param="response_format" if req.response_format else "regex" if req.regex else "ebnf",
+            )
+        kind, spec = constraint
+        sp = msgspec.structs.replace(sp, **{kind: spec})
+    return (None if plan.choice == "none" else plan), messages, template_kwargs, sp
+
+
+def _rename(req: ChatCompletionRequest, tool_grammar: bool) -> Callable[[str | None], str | None]:
+    """An engine error's field -> the client's: a tool grammar that does not compile is `tools`."""
+    if tool_grammar:
+        return lambda p: "tools" if p in ("json_schema", "ebnf", "regex") else p
+    return lambda p: schema_param(p, req.response_format)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await read_json(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    top = req.top_logprobs or 0
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if not 0 <= top <= 20:
+        raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    if req.max_completion_tokens is not None:
+        sp = sampling_params(state, req, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        sp = sampling_params(state, req, req.max_tokens)
+    user_grammar = sp.grammar_spec() is not None
+    plan, messages, template_kwargs, sp = _with_tools(state, req, _chat_prompt(req), sp)
+    n = req.n or 1
+    rid = new_id("chatcmpl")
+    specs = [
+        GenSpec(messages, s, f"{rid}-{j}", req.logprobs, top, template_kwargs) for j, s in enumerate(samples(sp, n))
+    ]
+    group = GenerationGroup(state, specs, _rename(req, not user_grammar and sp.grammar_spec() is not None))
+    created, model = int(time.time()), state.config.model_name
+    if req.stream:
+        return await _stream_chat(request, state, req, group, rid, created, plan)
+    async with group:
+        outs = await group.collect()
+    choices = []
+    for i, out in enumerate(outs):
+        reason = finish_reason(check_done(state, out))
+        lp = chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs) if req.logprobs else None
+        message = AssistantMessage(out.full_text)
+        if plan is not None:
+            parsed = plan.parse(out.full_text, state.native_tools)
+            calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in parsed.tool_calls]
+            message = AssistantMessage(parsed.content, tool_calls=calls or None)
+            reason = "tool_calls" if calls else reason
+        choices.append(ChatChoice(i, message, lp, reason))
+    usage = usage_of([outs[0].last], [o.last for o in outs])
+    return web.json_response(body=msgspec.json.encode(ChatCompletionResponse(rid, created, model, choices, usage)))
+
+
+def _tool_chunk(event: ToolCallDelta) -> ChatDelta:
+    first = event.id is not None
+    function = FunctionCallDelta(event.name, event.arguments if event.arguments or first else None)
+    return ChatDelta(tool_calls=[ToolCallChunk(event.index, event.id, "function" if first else None, function)])
+
+
+async def _stream_chat(
+    request: web.Request,
+    state: ServerState,
+    req: ChatCompletionRequest,
+    group: GenerationGroup,
+    rid: str,
+    created: int,
+    plan: ToolPlan | None,
+) -> web.StreamResponse:
+    model = state.config.model_name
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    parsers = [plan.stream_parser(state.native_tools) if plan else None for _ in group.specs]
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(rid, created, model, choices, usage)
+
+    def deltas(parser: StreamingToolParser | None, text: str, done: bool) -> list[ChatDelta]:
+        if parser is None:
+            return [ChatDelta(content=text)] if text else []
+        events = parser.feed(text) if text else []
+        events += parser.finish() if done else []
+        return [_tool_chunk(e.tool_call) if e.tool_call else ChatDelta(content=e.content) for e in events]
+
+    last: dict[int, Any] = {}
+    async with group, sse_stream(request) as resp:
+        for i in range(len(group.specs)):
+            await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
+        async for i, d in group:
+            last[i] = d
+            if d.finish_reason == "abort":  # sse_stream sends the error event and [DONE]
+                raise abort_error(d.error, state.engine.healthy)
+            lp = None
+            if req.logprobs and d.token_ids:
+                lp = chat_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [])
+            out = deltas(parsers[i], d.text, d.finish_reason is not None)
+            if lp is not None and not out:
+                out = [ChatDelta()]
+            for k, delta in enumerate(out):  # the step's log-probs ride on its first chunk
+                await send_event(resp, chunk([ChatChunkChoice(i, delta, lp if k == 0 else None)]))
+            if d.finish_reason is not None:
+                reason = finish_reason(d.finish_reason)
+                if parsers[i] is not None and parsers[i].tool_calls:
+                    reason = "tool_calls"
+                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None, reason)]))
+        else:
+            if include_usage:
+                await send_event(resp, chunk([], usage_of([last.get(0)], list(last.values()))))
+        await send_done(resp)
+    return resp
