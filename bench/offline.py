@@ -42,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import uvloop
 
-from engine import Engine, ModelSource, SamplingParams, resolve_model
+from engine import Engine, ModelSource, SamplingParams, default_torch_threads, resolve_model
 
 HF_METHODS = ("static", "static16", "cb")
 
@@ -102,7 +102,7 @@ def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False
         args.model_path,
         dtype=args.dtype,
         device="cpu",
-        torch_threads=args.threads,
+        torch_threads=args.threads,  # None unless --threads: the engine's default, as a user gets it
         max_running_requests=max(len(wl.prompts), 1),
         disable_radix_cache=disable_radix,
         max_total_tokens=args.max_total_tokens,
@@ -240,7 +240,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--threads", type=int, default=2, help="torch threads for both engines' forward")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both sides' forward (default: ours as Engine() picks them, transformers the same)",
+    )
     ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "single"])
     ap.add_argument("--hf-methods", nargs="*", default=list(HF_METHODS), choices=HF_METHODS)
     ap.add_argument("--no-radix-compare", action="store_true", help="skip ours without the radix cache on W2")
@@ -250,16 +255,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--output-file", default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
 
-    # The event-loop thread only does bookkeeping; one torch thread keeps its small ops from waking
-    # an intra-op pool that would steal the forward's cores. transformers runs on this thread and
-    # gets `--threads` right before its own runs.
-    torch.set_num_threads(1)
+    # Ours runs with the engine's defaults (it sets its event-loop thread's torch threads itself);
+    # transformers runs on this thread with the same thread count as our forward.
+    hf_threads = args.threads if args.threads is not None else default_torch_threads()
     source = resolve_model(args.model_path)
     vocab = source.hf_config.vocab_size
     dtype = getattr(torch, args.dtype)
-    print(
-        f"model={args.model_path} dtype={args.dtype} threads={args.threads} torch={torch.__version__} seed={args.seed}"
-    )
+    print(f"model={args.model_path} dtype={args.dtype} threads={hf_threads} torch={torch.__version__} seed={args.seed}")
     workloads = [make_workload(w, vocab, args.seed) for w in args.workloads]
     results: list[Result] = []
 
@@ -269,14 +271,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
         print(f"  {r.workload:>8} {r.method:>14}: {r.tokens_per_s:8.1f} tok/s ({r.seconds:.2f} s)", flush=True)
 
     for wl in workloads:
-        torch.set_num_threads(1)
         record(run_ours, wl, args)
         if wl.name == "W2" and not args.no_radix_compare:
             record(run_ours, wl, args, disable_radix=True)
     if args.hf_methods:
         model = load_hf(source, dtype)
         pad_id = source.hf_config.eos_token_id if isinstance(source.hf_config.eos_token_id, int) else 0
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(hf_threads)
         for wl in workloads:
             for m in args.hf_methods:
                 if m == "static16" and len(wl.prompts) <= 16:

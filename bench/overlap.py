@@ -25,7 +25,6 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
 import uvloop
 
 from engine import Engine, SamplingParams
@@ -66,12 +65,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the forward thread")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the forward thread (default: Engine's)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per setting; best is kept")
     args = ap.parse_args()
-    # The event-loop thread runs small torch ops (batch bookkeeping) while the forward runs: with
-    # torch's default intra-op pool they wake extra threads that steal the forward's cores.
-    torch.set_num_threads(1)
     results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for _ in range(args.repeats):

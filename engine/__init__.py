@@ -8,6 +8,7 @@ Public names: everything in `__all__` below. The server and the benchmarks use o
 """
 
 from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
+from engine.device.cpu_threads import default_torch_threads
 from engine.engine import Engine
 from engine.errors import (
     ContextLengthExceededError,
@@ -47,5 +48,6 @@ __all__ = [
     "StepRecord",
     "StreamDelta",
     "SyncScheduler",
+    "default_torch_threads",
     "resolve_model",
 ]

@@ -58,7 +58,9 @@ class ServerArgs:
     # cpu/torch attention backends on a CPU: decode attends a prefix shared by several requests of
     # the batch once for all of them (engine/layers/cascade.py) instead of once per request.
     disable_cascade_attention: bool = False
-    torch_threads: int | None = None  # threads for the forward thread (None: torch's default)
+    # Threads of the forward thread. None: on a CPU, the physical cores this process may use
+    # (affinity, cgroup quota: engine/device/cpu_threads.py); the event-loop thread gets 1.
+    torch_threads: int | None = None
     # CPU + bf16 only: linears of inputs up to this many rows (decode batch size) use the packed
     # 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights; more rows use the dense weights. 0 disables.
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this

@@ -175,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap scheduling also on CPU (off there by default: it competes for the same cores)",
     )
-    g.add_argument("--torch-threads", type=positive_int, help="torch threads of the forward thread (default: torch's)")
+    g.add_argument(
+        "--torch-threads",
+        type=positive_int,
+        help="torch threads of the forward thread (default on a CPU: the physical cores this process may use)",
+    )
     g.add_argument(
         "--q4-max-tokens",
         type=non_negative_int,

@@ -94,6 +94,10 @@ class CpuDeviceStream(DeviceStream):
 
     def _run(self) -> None:
         if self._torch_threads is not None:
+            # torch applies its process-wide thread setting to a thread lazily, at the thread's
+            # first query or parallel op: trigger that first, or another thread's later
+            # set_num_threads (the engine sets the event loop's) would become this thread's.
+            torch.get_num_threads()
             torch.set_num_threads(self._torch_threads)
         while True:
             job = self._queue.get()
