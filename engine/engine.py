@@ -34,6 +34,7 @@ from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
 from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
+from engine.profiler import EngineProfiler
 from engine.sampling import SamplingParams
 from engine.scheduler.internal_state import check_internal_state
 from engine.scheduler.scheduler import Scheduler
@@ -52,6 +53,7 @@ class Engine:
         self._grammar_backend: GrammarBackend | None = None
         self._loop_threads: int | None = None  # the event-loop thread's torch threads before start()
         self._forward_threads: int | None = None
+        self._profiler: EngineProfiler | None = None
         self._system: ActorSystem | None = None
         self._receiver: Receiver | None = None
         self._scheduler: OverlapScheduler | None = None
@@ -103,6 +105,8 @@ class Engine:
         for actor in (receiver, dispatcher, adder, output, scheduler):
             self._system.add(actor)
         self._receiver, self._scheduler = receiver, scheduler
+        self._profiler = EngineProfiler(self._stream, lambda: scheduler.num_forwards, args.profile_dir)
+        scheduler.on_forward = self._profiler.note_forward
         self._system.start_all()
         return self
 
@@ -116,6 +120,9 @@ class Engine:
         return runner, tokenizer, grammar_backend
 
     async def stop(self) -> None:
+        if self._profiler is not None:  # a running profile is written while the stream still runs
+            await self._profiler.close()
+            self._profiler = None
         if self._system is not None:
             await self._system.stop_all()
             self._system = None
@@ -300,6 +307,27 @@ class Engine:
             async with asyncio.timeout(30):
                 while rid in receiver.streams:
                     await asyncio.sleep(0.001)
+
+    async def start_profile(
+        self, output_dir: str | None = None, num_steps: int | None = None, activities: list[str] | None = None
+    ) -> str:
+        """Start torch.profiler around the forwards (SGLang's /start_profile); returns the path the
+        trace will be written to (`output_dir`, default `profile_dir`). With `num_steps` it stops
+        by itself after that many forwards; else `stop_profile()` stops it. `activities`: "CPU",
+        "GPU" (default both, GPU only where there is one)."""
+        self._check()
+        return str(await self._profiler.start(output_dir, num_steps, activities))
+
+    async def stop_profile(self) -> str:
+        """Stop the running profile and write its Chrome-trace JSON; returns its path."""
+        self._check()
+        return str(await self._profiler.stop())
+
+    @property
+    def last_profile(self) -> str | None:
+        """The latest trace written, by `stop_profile` or after `num_steps` forwards."""
+        trace = self._profiler.last_trace if self._profiler is not None else None
+        return str(trace) if trace is not None else None
 
     async def flush_cache(self) -> bool:
         reply = await self._check().control(FlushCacheReq)

@@ -75,6 +75,9 @@ class ServerArgs:
     # compile within grammar_compile_timeout seconds fails its request with a 400.
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
+    # Where /start_profile (Engine.start_profile) writes torch profiler traces by default
+    # (None: $SGLANG_TORCH_PROFILER_DIR, else <tmp>/asyncllm-profiles).
+    profile_dir: str | None = None
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.

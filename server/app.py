@@ -19,7 +19,7 @@ import logging
 from aiohttp import web
 
 from engine import Engine
-from server import native_api, openai_api, openapi, ws
+from server import admin_api, native_api, openai_api, openapi, ws
 from server.config import ServerConfig
 from server.errors import ApiError, to_api_error
 from server.http_protocol import connection_limit_middleware
@@ -99,6 +99,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     openai_api.add_routes(app)
     native_api.add_routes(app)
     ws.add_routes(app)
+    admin_api.add_routes(app)
     openapi.add_routes(app)  # GET /openapi.json, built on startup from every route
     if config.enable_metrics:
         app.router.add_get("/metrics", _metrics_handler)

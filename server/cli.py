@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 300)",
     )
     g.add_argument(
+        "--profile-dir",
+        help="where POST /start_profile writes torch profiler traces (default: $SGLANG_TORCH_PROFILER_DIR, "
+        "else <tmp>/asyncllm-profiles)",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=GRAMMAR_BACKENDS,
         help="structured output (response_format, tools, json_schema/regex/ebnf): xgrammar, or none to "
@@ -224,6 +229,7 @@ _ENGINE_OPTIONS = (
     "watchdog_timeout",
     "grammar_backend",
     "grammar_compile_timeout",
+    "profile_dir",
 )
 
 

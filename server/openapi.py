@@ -36,6 +36,7 @@ from server.protocol import (
     GenerateRequest,
     GenerateResponse,
     ModelList,
+    ProfileRequest,
     WsCancel,
     WsDelta,
     WsError,
@@ -65,6 +66,7 @@ _STRUCTS: tuple[type, ...] = (
     GenerateRequest,
     GenerateResponse,
     AbortRequest,
+    ProfileRequest,
     ErrorResponse,
     WsGenerate,
     WsCancel,
@@ -98,6 +100,11 @@ _SUCCESS = {
     "type": "object",
     "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}},
     "required": ["success"],
+}
+_PROFILE = {
+    "type": "object",
+    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}, "trace": {"type": "string"}},
+    "required": ["success", "trace"],
 }
 _MODEL_INFO = {
     "type": "object",
@@ -142,6 +149,7 @@ class _Op:
     ok: dict[str, Any] = field(default_factory=dict)  # media type -> media object ({} = no body)
     ok_text: str = "success"
     body: str | None = None  # request Struct name, sent as application/json
+    body_required: bool = True
     errors: tuple[int, ...] = (500,)
     open: bool = False  # no API key needed (app.py's open paths)
     status: int = 200
@@ -193,6 +201,16 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
         body="AbortRequest",
         errors=_BODY_ERRORS,
     ),
+    ("POST", "/start_profile"): _Op(
+        "Start the torch profiler around the forwards (SGLang); optional body; trace under --profile-dir",
+        _json(_PROFILE),
+        body="ProfileRequest",
+        body_required=False,
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/stop_profile"): _Op(
+        "Stop the profiler and write its Chrome trace (400 when none runs)", _json(_PROFILE), errors=(400, 500)
+    ),
     ("GET", "/metrics"): _Op(
         "Prometheus metrics (only with --enable-metrics)",
         {"text/plain": {"schema": {"type": "string"}}},
@@ -236,7 +254,7 @@ def _operation(op: _Op, secured: bool) -> dict[str, Any]:
         responses[str(status)] = {"description": _ERROR_TEXT[status], "content": _json(_ref("ErrorResponse"))}
     out: dict[str, Any] = {"summary": op.summary, "responses": responses, **op.extra}
     if op.body is not None:
-        out["requestBody"] = {"required": True, "content": _json(_ref(op.body))}
+        out["requestBody"] = {"required": op.body_required, "content": _json(_ref(op.body))}
     if secured and op.open:
         out["security"] = []  # overrides the document-wide bearer requirement
     return out

@@ -263,6 +263,14 @@ class AbortRequest(Struct, kw_only=True):
     rid: str
 
 
+class ProfileRequest(Struct, kw_only=True):
+    """POST /start_profile (optional body). Traces go to the server's --profile-dir: a client
+    does not choose where the server writes files."""
+
+    num_steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    activities: list[Literal["CPU", "GPU"]] | None = None
+
+
 class MetaInfo(Struct, omit_defaults=True):
     id: str
     finish_reason: dict[str, Any] | None

@@ -50,10 +50,11 @@ KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}  # pass copies: schemathesis adds its headers to the dict it gets
 CONTEXT = 128
 BODY_OPS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /abort_request"]
+BODY_OPS += ["POST /start_profile"]
 OPEN_OPS = ["GET /health", "GET /health_generate", "GET /metrics", "GET /openapi.json"]
 OPS = BODY_OPS + OPEN_OPS
 OPS += ["GET /v1/models", "GET /get_model_info", "GET /model_info", "GET /get_server_info", "GET /server_info"]
-OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws"]
+OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws", "POST /stop_profile"]
 EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 30, schemathesis.GenerationMode.NEGATIVE: 30}
 BODYLESS_EXAMPLES = 3  # a GET without parameters has one case; hypothesis would repeat it
 RAW_EXAMPLES = 40
@@ -79,7 +80,9 @@ def fuzz_settings(max_examples: int) -> settings:
 
 @pytest.fixture
 def server(request, tiny_model_dir) -> ServerProcess:
+    profiles = request.config._tmp_path_factory.mktemp("fuzz-profiles")  # type: ignore[attr-defined]
     args = (*TINY_ARGS, "--enable-metrics", "--api-key", KEY, "--context-length", str(CONTEXT))
+    args += ("--profile-dir", str(profiles))
     return shared_server(request, "tiny-fuzz", tiny_model_dir, *args)
 
 

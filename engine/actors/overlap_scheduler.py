@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -98,6 +99,8 @@ class OverlapScheduler(Actor):
         self.memory_errors: list[str] = []  # invariant violations seen when idle (tests read them)
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self._checked_idle = True
+        self.num_forwards = 0  # forwards completed (or failed) so far: the profiler's step count
+        self.on_forward: Callable[[int], None] | None = None  # called with num_forwards after each
         self._plan_ids = itertools.count()
         self._waiting_version = 0
 
@@ -155,6 +158,9 @@ class OverlapScheduler(Actor):
                 self.contain(self._handle, msg)
             if done:
                 break
+        self.num_forwards += 1
+        if self.on_forward is not None:
+            self.on_forward(self.num_forwards)
         try:
             result, t0, t1 = fut.result()
         except Exception as e:  # a failed forward fails its requests, not the engine

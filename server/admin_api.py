@@ -1,0 +1,39 @@
+"""Operator endpoints (behind the API key when one is set): POST /start_profile and
+POST /stop_profile, SGLang's names, on the engine's torch profiler (engine/profiler.py).
+
+    curl -X POST localhost:30000/start_profile -d '{"num_steps": 10}'   # or no body: until stopped
+    curl -X POST localhost:30000/stop_profile                          # -> {"trace": "<path>"}
+
+Traces are written under --profile-dir (default $SGLANG_TORCH_PROFILER_DIR, else a temporary
+folder); SGLang's `output_dir` field is ignored (logged as unknown): a client never picks where
+the server writes.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.errors import decode
+from server.protocol import ProfileRequest
+from server.request_body import note_unknown_fields, read_body
+from server.state import STATE
+
+
+async def start_profile(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_body(request)
+    req = decode(body, ProfileRequest) if body.strip() else ProfileRequest()
+    if body.strip():
+        note_unknown_fields(body, ProfileRequest)
+    trace = await state.engine.start_profile(num_steps=req.num_steps, activities=req.activities)
+    return web.json_response({"success": True, "message": "Start profiling.", "trace": trace})
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    trace = await request.app[STATE].engine.stop_profile()
+    return web.json_response({"success": True, "message": "Stop profiling.", "trace": trace})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/start_profile", start_profile)
+    app.router.add_post("/stop_profile", stop_profile)
