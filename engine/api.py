@@ -38,6 +38,7 @@ class StreamDelta(msgspec.Struct):
     matched_stop: int | str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    queue_time: float | None = None  # seconds in the waiting queue before its first prefill
 
 
 @dataclass

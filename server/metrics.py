@@ -51,6 +51,9 @@ class Metrics:
         self.ttft = hist("sglang:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("sglang:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = hist("sglang:e2e_request_latency_seconds", "Request latency, submit to last token.", _E2E_BUCKETS)
+        self.queue_time = hist(
+            "sglang:queue_time_seconds", "Time in the waiting queue before the first prefill.", _LATENCY_BUCKETS
+        )
 
     def track(self) -> RequestMetrics:
         return RequestMetrics(self)
@@ -73,12 +76,13 @@ class Metrics:
 class RequestMetrics:
     """Timing of one generation, fed with its deltas as they arrive."""
 
-    __slots__ = ("ended", "last", "m", "seen_prompt", "start")
+    __slots__ = ("ended", "last", "m", "seen_prompt", "seen_queue", "start")
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self.start = self.last = time.perf_counter()
         self.seen_prompt = False
+        self.seen_queue = False
         self.ended = False
 
     def on_delta(self, delta: StreamDelta) -> None:
@@ -87,6 +91,9 @@ class RequestMetrics:
             self.seen_prompt = True
             self.m.prompt_tokens.inc(delta.prompt_tokens)
             self.m.cached_tokens.inc(delta.cached_tokens)
+        if not self.seen_queue and delta.queue_time is not None:
+            self.seen_queue = True
+            self.m.queue_time.observe(delta.queue_time)
         n = len(delta.token_ids)
         if n:
             if self.last == self.start:

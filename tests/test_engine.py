@@ -233,3 +233,16 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     assert ServerArgs(device="cpu", dtype="bf16").resolved_dtype() == torch.bfloat16  # asked for: honoured
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert ServerArgs(device="cpu").resolved_dtype() == torch.bfloat16
+
+
+async def test_queue_time_is_reported_once_scheduled(tiny_tok_folder):
+    async with tiny_engine(tiny_tok_folder, max_running_requests=1) as engine:
+        params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+        async def deltas(prompt: list[int]) -> list:
+            return [d async for d in engine.stream(prompt, params)]
+
+        first, second = await asyncio.gather(*(deltas(p) for p in _prompts(2)))
+    # One runs at a time: the second waited about as long as the first ran.
+    assert first[0].queue_time is not None and second[0].queue_time is not None
+    assert second[0].queue_time > first[0].queue_time

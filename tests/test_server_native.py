@@ -165,8 +165,9 @@ async def test_metrics_parse_and_counters_move(tiny_server, default_tokenizer):
     assert delta["sglang:prompt_tokens_total"] >= len(default_tokenizer.encode(prompt))
     assert delta["sglang:generation_tokens_total"] >= 6
     assert delta["sglang:num_requests_total"] >= 1
-    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time"):
         assert delta[f"sglang:{h}_seconds_count"] >= 1, h
+    assert 0 <= delta["sglang:queue_time_seconds_sum"] <= delta["sglang:e2e_request_latency_seconds_sum"]
     assert after["sglang:num_running_reqs"] == 0
 
 

@@ -107,6 +107,7 @@ class OutputProcessor(Actor):
             completion_tokens=st.completion_tokens,
             cached_tokens=msg.cached_tokens[i],
             matched_stop=matched_stop,
+            queue_time=msg.queue_times[i],
             logprobs=[msg.logprobs[i]] if msg.logprobs[i] is not None and ids else None,
             top_logprobs=[msg.top_logprobs[i]] if msg.top_logprobs[i] is not None and ids else None,
         )

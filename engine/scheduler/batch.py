@@ -60,6 +60,8 @@ class Req:
         "origin_input_ids",
         "output_ids",
         "prefix_indices",
+        "queue_time",
+        "queued_at",
         "req_pool_idx",
         "return_logprob",
         "rid",
@@ -107,6 +109,8 @@ class Req:
         self.kv_computed_len = 0  # positions whose KV a completed forward wrote (only these enter the tree)
         # Times this request was retracted: a result computed for an older epoch is dropped.
         self.epoch = 0
+        self.queued_at = time.perf_counter()  # created as it enters the waiting queue
+        self.queue_time: float | None = None  # until its first prefill is placed (SGLang's queue time)
 
     @property
     def seqlen(self) -> int:

@@ -16,7 +16,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
 
     Per request: the new token id (-1 when a request ended without one, e.g. an abort), the
     finish reason ('stop' | 'length' | 'abort' | None), matched stop token, error message,
-    prompt length, cached tokens, and optional logprobs.
+    prompt length, cached tokens, queue time, and optional logprobs.
     """
 
     rids: list[str] = []
@@ -26,6 +26,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     messages: list[str | None] = []
     prompt_tokens: list[int] = []
     cached_tokens: list[int] = []
+    queue_times: list[float | None] = []  # seconds from entering the waiting queue to the first prefill
     logprobs: list[float | None] = []
     top_logprobs: list[list[tuple[int, float]] | None] = []
 
@@ -41,6 +42,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.messages.append(fin.message if fin is not None else None)
         self.prompt_tokens.append(len(req.origin_input_ids))
         self.cached_tokens.append(req.cached_tokens)
+        self.queue_times.append(req.queue_time)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
 
@@ -53,6 +55,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.messages.append(message)
         self.prompt_tokens.append(0)
         self.cached_tokens.append(0)
+        self.queue_times.append(None)
         self.logprobs.append(None)
         self.top_logprobs.append(None)
 

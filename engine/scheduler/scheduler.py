@@ -105,8 +105,7 @@ class Scheduler:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.grammar_steps = 0  # batches with a grammar mask, and the host time filling/applying them
-        self.grammar_mask_fill_s = self.grammar_mask_apply_s = 0.0
+        self.grammar_steps, self.grammar_mask_fill_s, self.grammar_mask_apply_s = 0, 0.0, 0.0  # masked batches
         self.started_at = time.perf_counter()
 
     def new_planner(self) -> PrefillPlanner:
@@ -247,6 +246,7 @@ class Scheduler:
             return None
         for req in fresh:
             self.reqs_by_rid[req.rid] = req
+            req.queue_time = req.queue_time if req.queue_time is not None else time.perf_counter() - req.queued_at
         self.chunked_req = plan.new_chunked_req
         self.hit_tokens += plan.hit_tokens
         self.prompt_tokens += plan.input_tokens
