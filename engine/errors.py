@@ -57,3 +57,13 @@ class GrammarCompileTimeoutError(InvalidRequestError):
     be interrupted: it finishes in the background and lands in the grammar cache, so a retry of
     the same spec may then succeed at once.
     """
+
+
+class GrammarQueueFullError(EngineError):
+    """Too many distinct grammars are compiling at once: a new spec must wait (the server answers
+    503 with code "grammar_queue_full"). Cached specs, and specs already compiling, still work."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param

@@ -18,6 +18,7 @@ from engine import (
     ContextLengthExceededError,
     EngineUnhealthyError,
     GrammarCompileTimeoutError,
+    GrammarQueueFullError,
     InvalidRequestError,
     RequestTooLargeError,
 )
@@ -119,6 +120,8 @@ def to_api_error(exc: BaseException) -> ApiError | None:
         return ApiError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestTooLargeError):
         return ApiError(400, str(exc), param=exc.param, code="request_too_large")
+    if isinstance(exc, GrammarQueueFullError):
+        return unavailable(exc.message, code="grammar_queue_full")
     if isinstance(exc, GrammarCompileTimeoutError):
         return ApiError(400, exc.message, param=exc.param, code="grammar_compile_timeout")
     if isinstance(exc, InvalidRequestError):

@@ -16,7 +16,7 @@ import torch
 import xgrammar as xgr
 
 from engine.constrained import GrammarBackend, GrammarState, allocate_bitmask, apply_bitmask, fill_bitmasks
-from engine.errors import EngineError, GrammarCompileTimeoutError, InvalidRequestError
+from engine.errors import EngineError, GrammarCompileTimeoutError, GrammarQueueFullError, InvalidRequestError
 from engine.model_config import ModelConfig
 
 MAX_STEPS = 300
@@ -189,6 +189,23 @@ async def test_concurrent_compiles_of_one_spec_share_one_compile(make_backend):
     assert results[0] is results[1] is results[2]
     info = backend.cache_info()
     assert (info.misses, info.shared, info.in_flight) == (1, 2, 0)
+
+
+async def test_too_many_distinct_compiles_are_refused_but_shared_and_cached_ones_are_not(make_backend):
+    backend = make_backend(max_pending=1)
+    cached = big_schema("cached", fields=2)
+    await backend.compile_async("json_schema", cached, timeout=60)
+    slow = big_schema("slow", fields=12)
+    first = asyncio.ensure_future(backend.compile_async("json_schema", slow, timeout=60))
+    await asyncio.sleep(0)
+    assert backend.cache_info().in_flight == 1
+    with pytest.raises(GrammarQueueFullError) as e:
+        await backend.compile_async("regex", "[a-z]{1,300}", timeout=60)
+    assert e.value.param == "regex"
+    joined = asyncio.ensure_future(backend.compile_async("json_schema", slow, timeout=60))  # shares the compile
+    assert (await backend.compile_async("json_schema", cached)).spec  # a hit needs no thread
+    assert await first is await joined
+    await backend.compile_async("regex", "[a-z]{1,300}", timeout=60)  # room again
 
 
 async def test_close_stops_async_compiles_but_not_sync_ones(make_backend):

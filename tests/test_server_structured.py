@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine import GrammarCompileTimeoutError
+from engine import GrammarCompileTimeoutError, GrammarQueueFullError
 from server.errors import to_api_error
 from tests.server_helpers import ServerProcess, wait_clean
 
@@ -333,6 +333,8 @@ async def test_bad_structured_inputs_are_400_naming_the_field(server, aclient, b
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
 
 
-def test_compile_timeout_is_a_400_with_its_code():
+def test_compile_timeout_is_a_400_and_a_full_compile_queue_a_503():
     error = to_api_error(GrammarCompileTimeoutError("too slow", param="json_schema"))
     assert error.status == 400 and error.code == "grammar_compile_timeout" and error.param == "json_schema"
+    error = to_api_error(GrammarQueueFullError("busy", param="regex"))
+    assert error.status == 503 and error.code == "grammar_queue_full"

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import xgrammar as xgr
 
-from engine.errors import EngineError, GrammarCompileTimeoutError, InvalidRequestError
+from engine.errors import EngineError, GrammarCompileTimeoutError, GrammarQueueFullError, InvalidRequestError
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf")
@@ -114,6 +114,7 @@ class GrammarBackend:
         any_whitespace: bool = True,
         max_whitespace_cnt: int | None = None,
         max_spec_depth: int = 128,
+        max_pending: int = 64,
     ) -> None:
         threads = max_threads if max_threads is not None else _default_threads()
         if threads < 1 or vocab_size < 1 or cache_max_entries < 1:
@@ -128,6 +129,11 @@ class GrammarBackend:
         self._any_whitespace = any_whitespace
         self._max_whitespace_cnt = max_whitespace_cnt
         self._max_spec_depth = max_spec_depth
+        # Distinct specs compiling or queued at once (`compile_async`). A compile cannot be
+        # interrupted, so without a bound a client sending many slow schemas would queue work
+        # for everyone's threads; past it a new spec is refused (GrammarQueueFullError, a 503),
+        # while cached specs and ones already compiling are still served.
+        self._max_pending = max_pending
         self._cache_max_entries = cache_max_entries
         self._cache_max_bytes = cache_max_bytes
         self._lock = threading.Lock()
@@ -263,6 +269,12 @@ class GrammarBackend:
             if running is not None:
                 self._shared += 1
                 return None, running, False
+            if submit and len(self._inflight) >= self._max_pending:
+                raise GrammarQueueFullError(
+                    f"{len(self._inflight)} grammars are already compiling (at most {self._max_pending}); "
+                    "retry later or reuse a schema",
+                    param=_PARAM[key[0]],
+                )
             if submit:
                 try:
                     future = self._executor.submit(self._compile_and_store, key)
