@@ -52,10 +52,6 @@ class EngineProfiler:
         self._writing: asyncio.Future[Path] | None = None
         self._last: Path | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._prof is not None
-
     async def start(
         self,
         output_dir: str | None = None,

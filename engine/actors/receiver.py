@@ -90,9 +90,13 @@ class Receiver(Actor):
         spec = params.grammar_spec()
         if spec is None:
             return None
+        return await self._backend_for(spec[0]).compile_async(*spec, timeout=self.grammar_compile_timeout)
+
+    def _backend_for(self, field: str) -> GrammarBackend:
+        """The grammar backend, or an InvalidRequestError naming `field` when it is switched off."""
         if self.grammar_backend is None:
-            raise InvalidRequestError("structured output is disabled on this engine (grammar_backend='none')", spec[0])
-        return await self.grammar_backend.compile_async(*spec, timeout=self.grammar_compile_timeout)
+            raise InvalidRequestError("structured output is disabled on this engine (grammar_backend='none')", field)
+        return self.grammar_backend
 
     def submit(
         self,
@@ -114,8 +118,8 @@ class Receiver(Actor):
         if not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be between 0 and 20", "top_logprobs")
         spec = params.grammar_spec()
-        if spec is not None and grammar is None and self.grammar_backend is None:
-            raise InvalidRequestError("structured output is disabled on this engine (grammar_backend='none')", spec[0])
+        if spec is not None and grammar is None:
+            self._backend_for(spec[0])  # the grammar queue needs one
         ids = self.tokenize(prompt, chat_template_kwargs)
         if len(ids) >= self.context_len:
             raise ContextLengthExceededError(

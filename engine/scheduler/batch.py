@@ -119,6 +119,12 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def mark_scheduled(self, now: float) -> None:
+        """Its prefill was placed: the first time, its queue time is known (a retracted request
+        keeps the one it had)."""
+        if self.queue_time is None:
+            self.queue_time = now - self.queued_at
+
     def needs_sync(self) -> bool:
         """Whether sampling this request's next token needs its previous one on the host
         (penalties count it, a grammar's mask follows it), so a batch holding it must be

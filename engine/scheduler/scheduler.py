@@ -244,9 +244,10 @@ class Scheduler:
                 self.tree_cache.dec_lock_ref(req.last_node)
             self._requeue.extend(fresh)
             return None
+        now = time.perf_counter()
         for req in fresh:
             self.reqs_by_rid[req.rid] = req
-            req.queue_time = req.queue_time if req.queue_time is not None else time.perf_counter() - req.queued_at
+            req.mark_scheduled(now)
         self.chunked_req = plan.new_chunked_req
         self.hit_tokens += plan.hit_tokens
         self.prompt_tokens += plan.input_tokens
