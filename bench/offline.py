@@ -97,7 +97,9 @@ class Result:
 # ---- ours -----------------------------------------------------------------------------------
 
 
-def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False) -> Result:
+def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False, **options: Any) -> Result:
+    """Our engine on `wl`, with the engine's defaults plus `options` (a benchmark comparing one
+    option on and off, e.g. bench.flight_recorder)."""
     engine = Engine(
         args.model_path,
         dtype=args.dtype,
@@ -107,6 +109,7 @@ def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False
         disable_radix_cache=disable_radix,
         max_total_tokens=args.max_total_tokens,
         disable_cascade_attention=args.disable_cascade_attention,
+        **options,
     )
 
     async def main() -> tuple[float, int, int]:

@@ -35,6 +35,7 @@ from engine.device.cpu_threads import default_torch_threads
 from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.profiler import EngineProfiler
+from engine.recorder.ring import FlightRecorder, make_header
 from engine.sampling import SamplingParams
 from engine.scheduler.internal_state import check_internal_state
 from engine.scheduler.scheduler import Scheduler
@@ -54,6 +55,7 @@ class Engine:
         self._loop_threads: int | None = None  # the event-loop thread's torch threads before start()
         self._forward_threads: int | None = None
         self._profiler: EngineProfiler | None = None
+        self._recorder: FlightRecorder | None = None
         self._system: ActorSystem | None = None
         self._receiver: Receiver | None = None
         self._scheduler: OverlapScheduler | None = None
@@ -105,6 +107,12 @@ class Engine:
         for actor in (receiver, dispatcher, adder, output, scheduler):
             self._system.add(actor)
         self._receiver, self._scheduler = receiver, scheduler
+        if args.flight_recorder_size > 0:
+            header = make_header(args, runner, scheduler.enable_overlap, self._forward_threads)
+            recorder = FlightRecorder(args.flight_recorder_size, header, args.resolved_flight_recorder_dir())
+            for actor in (receiver, dispatcher, adder, output, scheduler):
+                actor.recv_listener = recorder.recv
+            scheduler.recorder = adder.recorder = self._recorder = recorder
         self._profiler = EngineProfiler(self._stream, lambda: scheduler.num_forwards, args.profile_dir)
         scheduler.on_forward = self._profiler.note_forward
         self._system.start_all()
@@ -153,6 +161,11 @@ class Engine:
             self._receiver.fail_all(reason)
         if self.death_reason is None:
             self.death_reason = reason
+        if self._recorder is not None:
+            try:
+                self._recorder.dump(reason)
+            except OSError:
+                log.exception("cannot write the flight recorder's dump")
         if self._died is not None:
             self._died.set()
 
@@ -329,18 +342,35 @@ class Engine:
         trace = self._profiler.last_trace if self._profiler is not None else None
         return str(trace) if trace is not None else None
 
+    def dump_flight_recorder(self, reason: str = "requested", directory: str | None = None) -> str:
+        """Write the flight recorder's events to a file (in `flight_recorder_dir`, or `directory`)
+        and return its path; `python -m engine.replay PATH` replays it. Works on a dead engine too."""
+        if self._recorder is None:
+            raise InvalidRequestError("the flight recorder is off (flight_recorder_size=0)", "flight_recorder_size")
+        return str(self._recorder.dump(reason, directory))
+
     async def flush_cache(self) -> bool:
         reply = await self._check().control(FlushCacheReq)
         return reply.ok
 
-    async def get_internal_state(self) -> dict[str, Any]:
-        reply = await self._check().control(GetInternalStateReq)
+    async def get_internal_state(self, detail: bool = False) -> dict[str, Any]:
+        """The scheduler's counters and the engine's health; `detail` adds the radix summary
+        (`radix_top`), per-request timelines and the scheduler's clock (the dashboard's data)."""
+        reply = await self._check().control(lambda reply_id: GetInternalStateReq(reply_id, detail))
         state = dict(reply.payload)
         stats = self._system.stats() if self._system else []
         state["healthy"] = self.healthy
         state["actors"] = [s.name + ":" + s.state for s in stats]
         state["message_errors"] = sum(s.message_errors for s in stats)  # handled, contained failures
         state["torch_threads"] = {"event_loop": torch.get_num_threads(), "forward": self._forward_threads}
+        if (rec := self._recorder) is not None:
+            last = str(rec.last_dump) if rec.last_dump is not None else None
+            state["flight_recorder"] = {
+                "size": rec.size,
+                "recorded": rec.recorded,
+                "dropped": rec.dropped,
+                "last_dump": last,
+            }
         if self._grammar_backend is not None:
             state["grammar_cache"] = dataclasses.asdict(self._grammar_backend.cache_info())
         return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+FLIGHT_RECORDER_DIR_ENV = "ASYNCLLM_FLIGHT_RECORDER_DIR"
 
 
 @dataclass
@@ -78,6 +82,13 @@ class ServerArgs:
     # Where /start_profile (Engine.start_profile) writes torch profiler traces by default
     # (None: $SGLANG_TORCH_PROFILER_DIR, else <tmp>/asyncllm-profiles).
     profile_dir: str | None = None
+    # Flight recorder (engine/recorder/): the last this-many events (every actor's incoming
+    # messages, every scheduling decision) kept in memory and dumped to flight_recorder_dir on a
+    # crash, the watchdog, SIGUSR1 or POST /dump_flight_recorder; `python -m engine.replay DUMP`
+    # replays a dump. 0 turns it off. None dir: $ASYNCLLM_FLIGHT_RECORDER_DIR, else
+    # <tmp>/asyncllm-flight-recorder.
+    flight_recorder_size: int = 50_000
+    flight_recorder_dir: str | None = None
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.
@@ -100,6 +111,9 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 fail(name, "an integer >= 1")
+        size = self.flight_recorder_size
+        if not (is_int(size) and size >= 0):
+            fail("flight_recorder_size", "an integer >= 0 (0: off)")
         chunk = self.chunked_prefill_size
         if chunk is not None and not (is_int(chunk) and (chunk == -1 or chunk >= 1)):
             fail("chunked_prefill_size", "-1 (no chunking) or an integer >= 1")
@@ -160,6 +174,12 @@ class ServerArgs:
                 f"watchdog_timeout must be a number of seconds, got {value!r}", "watchdog_timeout"
             )
         return None if value is None or value <= 0 else float(value)
+
+    def resolved_flight_recorder_dir(self) -> str:
+        if self.flight_recorder_dir:
+            return self.flight_recorder_dir
+        default = os.path.join(tempfile.gettempdir(), "asyncllm-flight-recorder")
+        return os.environ.get(FLIGHT_RECORDER_DIR_ENV) or default
 
     def resolved_enable_overlap(self) -> bool:
         return self.resolved_device().type == "cuda" if self.enable_overlap is None else self.enable_overlap

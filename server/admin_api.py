@@ -1,5 +1,6 @@
 """Operator endpoints (behind the API key when one is set): POST /start_profile and
-POST /stop_profile, SGLang's names, on the engine's torch profiler (engine/profiler.py).
+POST /stop_profile, SGLang's names, on the engine's torch profiler (engine/profiler.py), and
+POST /dump_flight_recorder (engine/recorder/: every message and scheduling decision, replayable).
 
     curl -X POST localhost:30000/start_profile -d '{"num_steps": 10}'   # or no body: until stopped
     curl -X POST localhost:30000/stop_profile                          # -> {"trace": "<path>"}
@@ -34,6 +35,16 @@ async def stop_profile(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": "Stop profiling.", "trace": trace})
 
 
+async def dump_flight_recorder(request: web.Request) -> web.Response:
+    """Write the flight recorder's ring to a file under --flight-recorder-dir (the server picks
+    the path); `python -m engine.replay PATH` replays it. Works while the engine is unhealthy."""
+    engine = request.app[STATE].engine
+    path = engine.dump_flight_recorder("POST /dump_flight_recorder")
+    recorder = (await engine.get_internal_state())["flight_recorder"] if engine.healthy else {}
+    return web.json_response({"success": True, "path": path, **recorder})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/start_profile", start_profile)
     app.router.add_post("/stop_profile", stop_profile)
+    app.router.add_post("/dump_flight_recorder", dump_flight_recorder)

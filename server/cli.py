@@ -200,6 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
         "else <tmp>/asyncllm-profiles)",
     )
     g.add_argument(
+        "--flight-recorder-size",
+        type=int,
+        metavar="EVENTS",
+        help="events the flight recorder keeps in memory (every actor's messages and scheduling "
+        "decisions; dumped on a crash, the watchdog, SIGUSR1 or POST /dump_flight_recorder); "
+        "0 turns it off (default: 50000)",
+    )
+    g.add_argument(
+        "--flight-recorder-dir",
+        help="where flight recorder dumps are written (default: $ASYNCLLM_FLIGHT_RECORDER_DIR, "
+        "else <tmp>/asyncllm-flight-recorder)",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=GRAMMAR_BACKENDS,
         help="structured output (response_format, tools, json_schema/regex/ebnf): xgrammar, or none to "
@@ -230,6 +243,8 @@ _ENGINE_OPTIONS = (
     "grammar_backend",
     "grammar_compile_timeout",
     "profile_dir",
+    "flight_recorder_size",
+    "flight_recorder_dir",
 )
 
 

@@ -87,6 +87,8 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: dump the flight recorder, keep serving
+            loop.add_signal_handler(signal.SIGUSR1, _dump_flight_recorder, engine)
         info = engine.model_info
         print(
             f"Serving {config.model_name!r} ({config.model_path}, {info.dtype}, {info.device}, context "
@@ -116,6 +118,15 @@ async def serve(engine_options: dict[str, Any], config: ServerConfig) -> int:
         if runner is not None:
             await runner.cleanup()
         await engine.stop()
+
+
+def _dump_flight_recorder(engine: Any) -> None:
+    from engine import EngineError
+
+    try:
+        print(f"flight recorder dumped to {engine.dump_flight_recorder('SIGUSR1')}", flush=True)
+    except (EngineError, OSError) as e:
+        print(f"error: cannot dump the flight recorder: {e}", file=sys.stderr, flush=True)
 
 
 async def shut_down(runner: web.AppRunner, state: ServerState, grace: float) -> None:

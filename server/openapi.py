@@ -106,6 +106,18 @@ _PROFILE = {
     "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}, "trace": {"type": "string"}},
     "required": ["success", "trace"],
 }
+_FLIGHT_DUMP = {
+    "type": "object",
+    "properties": {
+        "success": {"type": "boolean"},
+        "path": {"type": "string"},
+        "size": {"type": "integer"},
+        "recorded": {"type": "integer"},
+        "dropped": {"type": "integer"},
+        "last_dump": {"type": ["string", "null"]},
+    },
+    "required": ["success", "path"],
+}
 _MODEL_INFO = {
     "type": "object",
     "properties": {
@@ -210,6 +222,12 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
     ),
     ("POST", "/stop_profile"): _Op(
         "Stop the profiler and write its Chrome trace (400 when none runs)", _json(_PROFILE), errors=(400, 500)
+    ),
+    ("POST", "/dump_flight_recorder"): _Op(
+        "Dump the flight recorder (every actor message and scheduling decision) to a file under "
+        "--flight-recorder-dir; replay it with `python -m engine.replay PATH` (400 when it is off)",
+        _json(_FLIGHT_DUMP),
+        errors=(400, 500),
     ),
     ("GET", "/metrics"): _Op(
         "Prometheus metrics (only with --enable-metrics)",

@@ -54,7 +54,7 @@ BODY_OPS += ["POST /start_profile"]
 OPEN_OPS = ["GET /health", "GET /health_generate", "GET /metrics", "GET /openapi.json"]
 OPS = BODY_OPS + OPEN_OPS
 OPS += ["GET /v1/models", "GET /get_model_info", "GET /model_info", "GET /get_server_info", "GET /server_info"]
-OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws", "POST /stop_profile"]
+OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws", "POST /stop_profile", "POST /dump_flight_recorder"]
 EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 30, schemathesis.GenerationMode.NEGATIVE: 30}
 BODYLESS_EXAMPLES = 3  # a GET without parameters has one case; hypothesis would repeat it
 RAW_EXAMPLES = 40
@@ -82,7 +82,7 @@ def fuzz_settings(max_examples: int) -> settings:
 def server(request, tiny_model_dir) -> ServerProcess:
     profiles = request.config._tmp_path_factory.mktemp("fuzz-profiles")  # type: ignore[attr-defined]
     args = (*TINY_ARGS, "--enable-metrics", "--api-key", KEY, "--context-length", str(CONTEXT))
-    args += ("--profile-dir", str(profiles))
+    args += ("--profile-dir", str(profiles), "--flight-recorder-dir", str(profiles / "flight"))
     return shared_server(request, "tiny-fuzz", tiny_model_dir, *args)
 
 

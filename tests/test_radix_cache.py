@@ -168,3 +168,25 @@ def test_page_size_4_aligns_keys_and_frees_tails():
     assert sim.cache.total_size() == 12
     assert sim.cache.insert([1, 2, 3], slots(5, 6, 7)) == 0  # shorter than a page: nothing stored
     assert sim.cache.total_size() == 12
+
+
+def test_hit_counts_and_top_prefixes():
+    """The dashboard's radix summary: hits counted per admitted reuse, inherited by a split's
+    upper part, and the most hit / largest prefixes listed with their heads."""
+    _, _, cache = make()
+    cache.insert([1, 2, 3, 4, 5], slots(11, 12, 13, 14, 15))
+    cache.insert([9, 8], slots(21, 22))
+    _, node = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    cache.record_hit(node)
+    cache.record_hit(node)
+    _, upper = cache.match_prefix([1, 2, 7])  # splits [1..5] after [1, 2]
+    assert upper.key == [1, 2] and upper.hit_count == 2  # every hit on the edge hit its upper part
+    cache.record_hit(upper)
+    cache.record_hit(cache.root)  # no prefix: nothing to count
+    top = cache.top_prefixes(k=5)
+    assert [(p.head, p.tokens, p.hits) for p in top[:2]] == [([1, 2], 2, 3), ([1, 2, 3, 4, 5], 5, 2)]
+    assert top[0].subtree_tokens == 5 and not top[0].locked
+    assert any(p.head == [9, 8] and p.hits == 0 and p.subtree_tokens == 2 for p in top)  # large, never hit
+    cache.inc_lock_ref(node)
+    assert next(p for p in cache.top_prefixes() if p.head == [1, 2]).locked
+    cache.dec_lock_ref(node)

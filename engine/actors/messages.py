@@ -84,6 +84,7 @@ class FlushCacheReq(msgspec.Struct, tag=True):
 
 class GetInternalStateReq(msgspec.Struct, tag=True):
     reply_id: int
+    detail: bool = False  # add the radix summary and request timelines (the dashboard)
 
 
 class SetInternalStateReq(msgspec.Struct, tag=True):

@@ -47,14 +47,19 @@ from engine.actors.messages import (
     StopStrMatched,
     WaitingCount,
 )
+from engine.actors.request_timeline import RequestTimelines
 from engine.actors.runtime import Actor
 from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
 from engine.errors import InvalidRequestError, WatchdogTimeoutError
+from engine.model_executor.model_runner import GenerationBatchResult
+from engine.recorder.events import describe_batch, describe_budget, describe_out
+from engine.recorder.ring import FlightRecorder
 from engine.scheduler.batch import FinishReason, Req
 from engine.scheduler.internal_state import check_internal_state
 from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler
 from engine.scheduler.step import TimedResult, run_batch
+from engine.scheduler.waiting_queue import PrefillPlan
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ class InFlight:
     lb: LaunchedBatch
     handle: DeviceHandle[TimedResult]
     num_tokens: int  # tokens whose KV the forward writes (the batch object changes after launch)
+    step: int  # the launch counter (the flight recorder's step)
 
 
 class OverlapScheduler(Actor):
@@ -100,6 +106,9 @@ class OverlapScheduler(Actor):
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self._checked_idle = True
         self.num_forwards = 0  # forwards completed (or failed) so far: the profiler's step count
+        self.num_launched = 0  # batches launched so far (a step's number)
+        self.recorder: FlightRecorder | None = None  # the flight recorder, when on
+        self.timelines = RequestTimelines()
         self.on_forward: Callable[[int], None] | None = None  # called with num_forwards after each
         self._plan_ids = itertools.count()
         self._waiting_version = 0
@@ -110,7 +119,7 @@ class OverlapScheduler(Actor):
         inflight: InFlight | None = None
         while True:
             for msg in self.drain():
-                self.contain(self._handle, msg)
+                self.contain(self.handle_message, msg)
             if inflight is not None and (not self.enable_overlap or inflight.lb.needs_sync):
                 await self._finish(inflight)
                 inflight = None
@@ -120,30 +129,67 @@ class OverlapScheduler(Actor):
             inflight = launched
             if inflight is None and not self._has_work():
                 self._check_idle_memory()
-                self.contain(self._handle, await self.recv())
+                self.contain(self.handle_message, await self.recv())
 
     async def _launch_next(self) -> InFlight | None:
-        sched = self.sched
-        budget = sched.prefill_budget()
         plan = None
-        if budget is not None:
-            reply_id = next(self._plan_ids)
-            self.adder.send(PlanPrefillReq(reply_id, budget))
-            reply = await self.recv_matching(lambda m: isinstance(m, PrefillPlanReply) and m.reply_id == reply_id)
+        if (ask := self.begin_round()) is not None:
+            self.adder.send(ask)
+            reply = await self.recv_matching(lambda m: isinstance(m, PrefillPlanReply) and m.reply_id == ask.reply_id)
             assert isinstance(reply, PrefillPlanReply)
-            self._waiting_version = reply.version
-            plan = reply.plan
+            plan = self.take_plan(reply)
+        placed = self.place_batch(plan)
+        if placed is None:
+            return None
+        step, lb = placed
+        mwb = lb.batch.get_model_worker_batch()
+        return InFlight(lb, self.stream.launch(run_batch, self.sched.runner, mwb), int(mwb.out_cache_loc.numel()), step)
+
+    def begin_round(self) -> PlanPrefillReq | None:
+        """Start a round: the plan request for the PrefillAdder, or None (nothing to prefill)."""
+        budget = self.sched.prefill_budget()
+        if self.recorder is not None:
+            self.recorder.round(describe_budget(budget))
+        return None if budget is None else PlanPrefillReq(next(self._plan_ids), budget)
+
+    def take_plan(self, reply: PrefillPlanReply) -> PrefillPlan:
+        """The PrefillAdder's answer to this round's plan request (newer than any queue length)."""
+        self._waiting_version = reply.version
+        return reply.plan
+
+    def place_batch(self, plan: PrefillPlan | None) -> tuple[int, LaunchedBatch] | None:
+        """Finish the round: the batch to launch (and its step number), or None."""
+        sched = self.sched
         batch = sched.next_batch(plan)
-        if requeue := sched.take_requeue():
+        requeue, aborted = sched.take_requeue(), sched.take_self_aborted()
+        now = time.perf_counter()
+        if requeue:
             self.adder.send(RequeueReqs(requeue))
-        if aborted := sched.take_self_aborted():
-            self.output.send(BatchTokenOut.finished(aborted))
+            self.timelines.on_retracted(requeue, now)
+        if aborted:
+            self._emit(BatchTokenOut.finished(aborted))
+        step = self.num_launched
+        if self.recorder is not None:
+            self.recorder.batch(
+                step,
+                batch=describe_batch(batch),
+                requeued=[r.rid for r in requeue],
+                self_aborted=[r.rid for r in aborted],
+                num_retractions=sched.num_retractions,
+                new_token_ratio=sched.new_token_ratio,
+                available_tokens=sched.allocator.available_size(),
+                evictable_tokens=sched.tree_cache.evictable_size(),
+            )
         if batch is None:
             return None
+        self.num_launched += 1
         self._checked_idle = False
         lb = sched.launched(batch)
-        mwb = batch.get_model_worker_batch()
-        return InFlight(lb, self.stream.launch(run_batch, sched.runner, mwb), int(mwb.out_cache_loc.numel()))
+        if lb.mode.is_extend():
+            self.timelines.on_prefill(lb.reqs, batch.extend_lens, now)
+        else:
+            self.timelines.on_decode(lb.reqs, now)
+        return step, lb
 
     async def _finish(self, inflight: InFlight) -> None:
         lb, fut = inflight.lb, inflight.handle.future
@@ -153,9 +199,9 @@ class OverlapScheduler(Actor):
             try:
                 msg, done = await self.recv_or(fut, remaining)
             except TimeoutError:
-                self._watchdog_fired(lb)
+                self._watchdog_fired(inflight)
             if msg is not None:
-                self.contain(self._handle, msg)
+                self.contain(self.handle_message, msg)
             if done:
                 break
         self.num_forwards += 1
@@ -165,16 +211,34 @@ class OverlapScheduler(Actor):
             result, t0, t1 = fut.result()
         except Exception as e:  # a failed forward fails its requests, not the engine
             log.exception("forward failed; failing %d request(s)", len(lb.reqs))
-            out = self.sched.fail_batch(lb, e)
+            self.fail_step(inflight.step, lb, e)
         else:
             self.steps.append(StepRecord(lb.mode.name, len(lb.reqs), inflight.num_tokens, t0, t1))
-            out = self.sched.process_batch_result(lb, result)
+            self.complete_step(inflight.step, lb, result, t1 - t0)
+
+    def complete_step(self, step: int, lb: LaunchedBatch, result: GenerationBatchResult, forward_s: float) -> None:
+        """Batch `step`'s result: tokens, finishes and frees, then the output."""
+        out = self.sched.process_batch_result(lb, result)
+        if self.recorder is not None:
+            self.recorder.result(step, result.next_token_ids_list(), forward_s, describe_out(out))
+        self._emit(out)
+
+    def fail_step(self, step: int, lb: LaunchedBatch, error: BaseException) -> None:
+        """Batch `step`'s forward raised (or hung): its requests end with the error."""
+        out = self.sched.fail_batch(lb, error)
+        if self.recorder is not None:
+            self.recorder.fail(step, repr(error), describe_out(out))
+        self._emit(out)
+
+    def _emit(self, out: BatchTokenOut) -> None:
         if out.rids:
             self.output.send(out)
+            self.timelines.on_output(out, time.perf_counter())
 
-    def _watchdog_fired(self, lb: LaunchedBatch) -> None:
+    def _watchdog_fired(self, inflight: InFlight) -> None:
         """A forward hangs: log every thread's stack, fail its requests, and die (the engine turns
-        unhealthy; `on_crash` fails every other request this scheduler holds)."""
+        unhealthy, dumps the flight recorder; `on_crash` fails every other request held here)."""
+        lb = inflight.lb
         waited = time.perf_counter() - lb.launched_at
         log.error(
             "watchdog: a %s forward of %d request(s) has run for %.1f s (watchdog_timeout=%s s); "
@@ -186,9 +250,7 @@ class OverlapScheduler(Actor):
             all_thread_stacks(),
         )
         error = WatchdogTimeoutError(f"the forward did not complete within {self.watchdog_timeout} s")
-        out = self.sched.fail_batch(lb, error)
-        if out.rids:
-            self.output.send(out)
+        self.fail_step(inflight.step, lb, error)
         raise error
 
     def _has_work(self) -> bool:
@@ -206,13 +268,14 @@ class OverlapScheduler(Actor):
 
     # ---- messages -----------------------------------------------------------------------------
 
-    def _handle(self, msg: msgspec.Struct) -> None:
+    def handle_message(self, msg: msgspec.Struct) -> None:
+        """One message other than a plan reply (those are awaited inside a round)."""
         if isinstance(msg, AbortReq):
             req = self.sched.abort_request(msg.rid, msg.message)
             if req is None:
                 self.adder.send(msg)  # waiting (or over): the PrefillAdder decides
             else:
-                self.output.send(BatchTokenOut.finished([req]))
+                self._emit(BatchTokenOut.finished([req]))
         elif isinstance(msg, StopStrMatched):
             if self.sched.abort_request(msg.rid, None, reason=FinishReason.STOP, matched=msg.matched) is None:
                 self.adder.send(msg)
@@ -226,6 +289,10 @@ class OverlapScheduler(Actor):
         elif isinstance(msg, GetInternalStateReq):
             state = self.sched.internal_state()
             state["memory_errors"] = list(self.memory_errors)
+            if msg.detail:  # the dashboard's extras: a walk of the tree, copies of the timelines
+                state["radix_top"] = msgspec.to_builtins(self.sched.tree_cache.top_prefixes())
+                state["timelines"] = msgspec.to_builtins(self.timelines.snapshot())
+                state["clock"] = time.perf_counter()
             self.replies.send(ControlReply(msg.reply_id, True, state))
         elif isinstance(msg, SetInternalStateReq):
             self.replies.send(self._set_state(msg))

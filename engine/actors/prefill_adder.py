@@ -29,6 +29,8 @@ from engine.actors.messages import (
     WaitingCount,
 )
 from engine.actors.runtime import Actor
+from engine.recorder.events import describe_plan
+from engine.recorder.ring import FlightRecorder
 from engine.scheduler.batch import Finished, FinishReason, Req
 from engine.scheduler.waiting_queue import PrefillPlan, PrefillPlanner
 
@@ -46,22 +48,25 @@ class PrefillAdderActor(Actor):
         self.pool_tokens = pool_tokens  # KV pool size: a prompt that never fits is refused here
         self.scheduler: Actor | None = None  # PrefillPlanReply, WaitingCount
         self.output: Actor | None = None  # BatchTokenOut for requests aborted while waiting
+        self.recorder: FlightRecorder | None = None  # the flight recorder, when on
         self.version = 0  # of the queue length last told to the scheduler (WaitingCount, replies)
         self._told = 0
 
     async def run(self) -> None:
         while True:
-            self.contain(self._handle, await self.recv())
+            self.contain(self.handle_message, await self.recv())
             for msg in self.drain():  # a burst of arrivals is one WaitingCount, not one each
-                self.contain(self._handle, msg)
+                self.contain(self.handle_message, msg)
             if len(self.planner) != self._told:
                 self._told = len(self.planner)
                 self.version += 1
                 self.scheduler.send(WaitingCount(self._told, self.version))
 
-    def _handle(self, msg: msgspec.Struct) -> None:
+    def handle_message(self, msg: msgspec.Struct) -> None:
         if isinstance(msg, PlanPrefillReq):
             plan = self.planner.plan(msg.budget)
+            if self.recorder is not None:
+                self.recorder.plan(msg.reply_id, describe_plan(plan))
             self._told = plan.num_waiting
             self.version += 1
             self.scheduler.send(PrefillPlanReply(msg.reply_id, plan, self.version))

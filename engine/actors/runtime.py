@@ -39,7 +39,7 @@ import msgspec
 
 from engine.errors import EngineError
 
-__all__ = ["Actor", "ActorState", "ActorStats", "ActorStoppedError", "CrashListener"]
+__all__ = ["Actor", "ActorState", "ActorStats", "ActorStoppedError", "CrashListener", "RecvListener"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class ActorStats(msgspec.Struct, frozen=True):
 
 
 CrashListener = Callable[["Actor", BaseException], None]
+# Called with (actor name, message) for every message an actor takes out of its mailbox, before
+# it is handled (the flight recorder: engine/recorder/ring.py).
+RecvListener = Callable[[str, msgspec.Struct], None]
 
 
 class _StopSignal(BaseException):
@@ -141,6 +144,7 @@ class Actor:
     def __init__(self, name: str | None = None) -> None:
         self.name = name or type(self).__name__
         self.crash_listener: CrashListener | None = None  # set by the ActorSystem
+        self.recv_listener: RecvListener | None = None  # set by the Engine (flight recorder)
         self._mailbox: collections.deque[msgspec.Struct] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -178,7 +182,12 @@ class Actor:
                 raise _StopSignal
             await self._wait()
         self._received += 1
-        return self._mailbox.popleft()
+        return self._taken(self._mailbox.popleft())
+
+    def _taken(self, msg: msgspec.Struct) -> msgspec.Struct:
+        if self.recv_listener is not None:
+            self.recv_listener(self.name, msg)
+        return msg
 
     def drain(self) -> list[msgspec.Struct]:
         """Every queued message at once (a scheduler admits a whole burst per step)."""
@@ -189,6 +198,9 @@ class Actor:
         msgs = list(self._mailbox)
         self._mailbox.clear()
         self._received += len(msgs)
+        if self.recv_listener is not None:
+            for msg in msgs:
+                self.recv_listener(self.name, msg)
         return msgs
 
     async def recv_matching(self, match: Callable[[msgspec.Struct], bool]) -> msgspec.Struct:
@@ -199,7 +211,7 @@ class Actor:
                 if match(msg):
                     del self._mailbox[i]
                     self._received += 1
-                    return msg
+                    return self._taken(msg)
             if self._stop_requested:
                 raise _StopSignal
             await self._wait()
@@ -237,7 +249,7 @@ class Actor:
                 self._clear_waiter(waiter)
         if self._mailbox:
             self._received += 1
-            return self._mailbox.popleft(), fut.done()
+            return self._taken(self._mailbox.popleft()), fut.done()
         if fut.done():
             return None, True
         if self._stop_requested:

@@ -7,11 +7,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 # Where a prefix match ends: a radix-tree node (radix_cache.TreeNode), None without a tree. Opaque
 # here: callers only hand it back to the same cache (lock, unlock).
 PrefixNode = Any
+
+
+class PrefixSummary(msgspec.Struct, frozen=True):
+    """One cached prefix, as an operator sees it (the dashboard's radix summary)."""
+
+    head: list[int]  # its first token ids (a short head, not the whole prefix)
+    tokens: int  # its length from the root
+    subtree_tokens: int  # tokens cached in it and below it
+    hits: int  # admitted requests that reused it
+    locked: bool  # a running request reads it
 
 
 class CacheableReq(Protocol):
@@ -75,6 +86,13 @@ class BasePrefixCache(ABC):
 
     def dec_lock_ref(self, node: PrefixNode) -> None:
         """Undo one `inc_lock_ref(node)`."""
+
+    def record_hit(self, node: PrefixNode) -> None:
+        """An admitted request reuses the prefix ending at `node` (hit counts for summaries)."""
+
+    def top_prefixes(self, k: int = 10) -> list[PrefixSummary]:
+        """The most reused and the largest cached prefixes (none without a tree)."""
+        return []
 
     def evictable_size(self) -> int:
         return 0

@@ -39,10 +39,17 @@ import itertools
 
 import torch
 
-from engine.cache.base_prefix_cache import BasePrefixCache, CacheableReq, committed_tokens, empty_slots
+from engine.cache.base_prefix_cache import (
+    BasePrefixCache,
+    CacheableReq,
+    PrefixSummary,
+    committed_tokens,
+    empty_slots,
+)
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 ChildKey = int | tuple[int, ...]
+PREFIX_HEAD_TOKENS = 24  # token ids of a prefix shown in a summary
 
 
 class TreeNode:
@@ -50,7 +57,7 @@ class TreeNode:
 
     _ids = itertools.count()
 
-    __slots__ = ("children", "id", "key", "last_access_time", "lock_ref", "parent", "value")
+    __slots__ = ("children", "hit_count", "id", "key", "last_access_time", "lock_ref", "parent", "value")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
         self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
@@ -60,6 +67,7 @@ class TreeNode:
         self.children: dict[ChildKey, TreeNode] = {}
         self.lock_ref = 0
         self.last_access_time = 0
+        self.hit_count = 0  # admitted requests that reused this node (the dashboard's radix summary)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -139,6 +147,7 @@ class RadixCache(BasePrefixCache):
         upper = TreeNode(child.key[:at], child.value[:at].clone(), child.parent)
         upper.lock_ref = child.lock_ref  # same requests read both halves
         upper.last_access_time = child.last_access_time
+        upper.hit_count = child.hit_count  # every hit on the whole edge was a hit on its upper part
         child.key = child.key[at:]
         child.value = child.value[at:].clone()
         child.parent = upper
@@ -303,6 +312,45 @@ class RadixCache(BasePrefixCache):
         if to_free:
             self.token_to_kv_pool_allocator.free(torch.cat(to_free))
         return freed
+
+    def record_hit(self, node: TreeNode | None) -> None:
+        """An admitted request reuses the path to `node`: count a hit on each node of it."""
+        while node is not None and node is not self.root:
+            node.hit_count += 1
+            node = node.parent
+
+    def top_prefixes(self, k: int = 10) -> list[PrefixSummary]:
+        """The cached prefixes an operator wants to see: the `k` most hit and the `k` largest
+        subtrees (by tokens below and including the node), most hit first."""
+        subtree: dict[int, int] = {}
+        depth: dict[int, int] = {self.root.id: 0}
+        nodes = self._nodes()  # parents before children (a stack walk from the root)
+        for node in nodes:
+            depth[node.id] = depth[node.parent.id] + len(node.key)  # type: ignore[union-attr]
+        for node in reversed(nodes):  # children before parents
+            subtree[node.id] = subtree.get(node.id, 0) + len(node.key)
+            if node.parent is not self.root:
+                subtree[node.parent.id] = subtree.get(node.parent.id, 0) + subtree[node.id]  # type: ignore[union-attr]
+        by_hits = sorted((n for n in nodes if n.hit_count), key=lambda n: (-n.hit_count, -depth[n.id]))[:k]
+        by_size = sorted((n for n in nodes if n.parent is self.root), key=lambda n: -subtree[n.id])[:k]
+        chosen = list({n.id: n for n in [*by_hits, *by_size]}.values())
+        chosen.sort(key=lambda n: (-n.hit_count, -subtree[n.id]))
+        return [
+            PrefixSummary(self._path_head(n), depth[n.id], subtree[n.id], n.hit_count, n.lock_ref > 0) for n in chosen
+        ]
+
+    def _path_head(self, node: TreeNode, n: int = PREFIX_HEAD_TOKENS) -> list[int]:
+        """The first `n` token ids of the path from the root to `node`."""
+        path: list[TreeNode] = []
+        while node is not self.root and node is not None:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        head: list[int] = []
+        for part in reversed(path):
+            head.extend(part.key[: n - len(head)])
+            if len(head) >= n:
+                break
+        return head
 
     # ---- sizes and debugging ------------------------------------------------------------------
 

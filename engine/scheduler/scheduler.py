@@ -102,9 +102,7 @@ class Scheduler:
         self._self_aborted: list[Req] = []  # outbox: ended here, to be reported to their clients
         # stats
         self.num_retractions = 0
-        self.hit_tokens = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
+        self.hit_tokens = self.prompt_tokens = self.generated_tokens = 0
         self.grammar_steps, self.grammar_mask_fill_s, self.grammar_mask_apply_s = 0, 0.0, 0.0  # masked batches
         self.started_at = time.perf_counter()
 
@@ -248,6 +246,7 @@ class Scheduler:
         for req in fresh:
             self.reqs_by_rid[req.rid] = req
             req.mark_scheduled(now)
+            self.tree_cache.record_hit(req.last_node)
         self.chunked_req = plan.new_chunked_req
         self.hit_tokens += plan.hit_tokens
         self.prompt_tokens += plan.input_tokens
