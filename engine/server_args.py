@@ -52,6 +52,10 @@ class ServerArgs:
     # next step beside the running forward steals them (bench.overlap: 3x slower steps when the
     # machine is busy, ~20% when quiet), so there is nothing to hide the host work behind.
     enable_overlap: bool | None = None
+    # SGLang's --enable-mixed-chunk: running requests decode their next token inside the forward
+    # of a prefill chunk (ForwardMode.MIXED) instead of waiting for it; the chunk budget shrinks
+    # by one token per running request.
+    enable_mixed_chunk: bool = False
     # Attention (engine/layers/attention_backend.py), decided once at start-up. auto: triton on CUDA
     # when it imports; on a CPU the C++ kernels ("cpu") when they build and take the dtype and head
     # size, else "torch" (the pure-torch reference); or name one of "cpu", "torch", "triton".

@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
     g.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="running requests decode inside the forward of a prefill chunk (ForwardMode.MIXED) instead of "
+        "waiting for it; the chunk budget shrinks by one token per running request",
+    )
+    g.add_argument(
         "--disable-cascade-attention",
         action="store_true",
         help="cpu/torch attention: attend prefixes shared by several decoding requests once per request "
@@ -254,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
-    for flag in ("disable_radix_cache", "disable_cascade_attention"):
+    for flag in ("disable_radix_cache", "disable_cascade_attention", "enable_mixed_chunk"):
         if getattr(ns, flag):
             engine[flag] = True
     if ns.disable_overlap_schedule:

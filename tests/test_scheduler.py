@@ -18,7 +18,7 @@ def tiny_folder(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _prompts_and_params():
+def prompts_and_params():
     prompts = random_prompts(N_REQS, 3, 150, seed=1)
     # Shared prefixes so the radix cache has something to reuse.
     prompts[44:54] = [prompts[9][:60] + p[:20] for p in prompts[44:54]]
@@ -29,7 +29,7 @@ def _prompts_and_params():
 @pytest.fixture(scope="module")
 def alone_outputs(tiny_folder):
     """Each request run by itself (no cache, no chunking): the reference."""
-    prompts, params = _prompts_and_params()
+    prompts, params = prompts_and_params()
     runner, args = make_runner(tiny_folder, disable_radix_cache=True, chunked_prefill_size=None)
     outs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -47,7 +47,7 @@ COMBOS = list(itertools.product([True, False], [True, False], [64, None], [1, 16
 
 @pytest.mark.parametrize("overlap,radix,chunk,page", COMBOS)
 def test_batched_equals_alone(tiny_folder, alone_outputs, overlap, radix, chunk, page):
-    prompts, params = _prompts_and_params()
+    prompts, params = prompts_and_params()
     runner, args = make_runner(tiny_folder, disable_radix_cache=not radix, chunked_prefill_size=chunk, page_size=page)
     sched = SyncScheduler(runner, args)
     reqs = [new_req(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -56,7 +56,7 @@ from engine.model_executor.model_runner import GenerationBatchResult
 from engine.recorder.events import describe_batch, describe_budget, describe_out
 from engine.recorder.ring import FlightRecorder
 from engine.scheduler.batch import FinishReason, Req
-from engine.scheduler.internal_state import check_internal_state
+from engine.scheduler.internal_state import check_internal_state, scheduler_state
 from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler
 from engine.scheduler.step import TimedResult, run_batch
 from engine.scheduler.waiting_queue import PrefillPlan
@@ -185,10 +185,11 @@ class OverlapScheduler(Actor):
         self.num_launched += 1
         self._checked_idle = False
         lb = sched.launched(batch)
-        if lb.mode.is_extend():
-            self.timelines.on_prefill(lb.reqs, batch.extend_lens, now)
-        else:
-            self.timelines.on_decode(lb.reqs, now)
+        n = lb.num_extend  # MIXED: prefill rows first, then the running requests' decode rows
+        if n:
+            self.timelines.on_prefill(lb.reqs[:n], batch.extend_lens[:n], now)
+        if n < len(lb.reqs):
+            self.timelines.on_decode(lb.reqs[n:], now)
         return step, lb
 
     async def _finish(self, inflight: InFlight) -> None:
@@ -287,7 +288,7 @@ class OverlapScheduler(Actor):
             ok = self.sched.flush_cache()
             self.replies.send(ControlReply(msg.reply_id, ok, error=None if ok else "requests are running"))
         elif isinstance(msg, GetInternalStateReq):
-            state = self.sched.internal_state()
+            state = scheduler_state(self.sched)
             state["memory_errors"] = list(self.memory_errors)
             if msg.detail:  # the dashboard's extras: a walk of the tree, copies of the timelines
                 state["radix_top"] = msgspec.to_builtins(self.sched.tree_cache.top_prefixes())
@@ -308,7 +309,7 @@ class OverlapScheduler(Actor):
             self.sched.max_running_requests = min(int(state["max_running_requests"]), self.sched.req_to_token_pool.size)
         if "new_token_ratio" in state:
             self.sched.new_token_ratio = float(state["new_token_ratio"])
-        return ControlReply(msg.reply_id, True, self.sched.internal_state())
+        return ControlReply(msg.reply_id, True, scheduler_state(self.sched))
 
     def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
         """A control call gets its error as the reply; anything else was logged and counted."""

@@ -51,6 +51,7 @@ class ModelWorkerBatch:
     seq_lens_cpu: list[int]
     extend_seq_lens: list[int] = field(default_factory=list)  # new tokens per request (extend)
     extend_prefix_lens: list[int] = field(default_factory=list)  # cached tokens per request
+    mixed_decode_rows: int = 0  # MIXED: the last rows decode; their input ids are last sampled ids
     sampling_info: SamplingBatchInfo | None = None
     return_prompt_logits: bool = False  # logits at every new position (prompt logprobs, tests)
 
@@ -124,10 +125,14 @@ class ForwardBatch:
             [batch.input_ids, positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, extend_host],
             device,
         )
-        if input_ids is None:  # decode under overlap: last sampled ids, gathered on the device
+        if input_ids is None or batch.mixed_decode_rows:
             if last_token_ids is None:
-                raise ValueError("a batch without input_ids needs last_token_ids")
-            input_ids = last_token_ids[req_pool_indices]
+                raise ValueError("decode rows without input ids need last_token_ids")
+            if input_ids is None:  # decode under overlap: last sampled ids, gathered on the device
+                input_ids = last_token_ids[req_pool_indices]
+            else:  # MIXED: each decode row's one token (the last of the flat batch) likewise
+                m = batch.mixed_decode_rows
+                input_ids = torch.cat([input_ids[:-m], last_token_ids[req_pool_indices[-m:]]])
         return cls(
             forward_mode=batch.forward_mode,
             batch_size=len(batch.seq_lens_cpu),

@@ -204,6 +204,7 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     decode_inputs_on_device: bool = False  # overlap: decode input ids come from the device buffer
+    mixed_decode_rows: int = 0  # MIXED: the last rows are running requests decoding one token
 
     @classmethod
     def init_new(
@@ -321,6 +322,23 @@ class ScheduleBatch:
         self._set_index_tensors()
         return True
 
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Append the rows of `running`, just prepared for decode, to this prefill batch: one
+        forward computes the prefill and one new token per running request (ForwardMode.MIXED).
+        A decode row is a one-token extend over its own KV; its input id is read on the device
+        from the last sampled ids (it may not be on the host yet, under overlap)."""
+        n = len(running.reqs)
+        self.forward_mode = ForwardMode.MIXED
+        self.reqs = self.reqs + running.reqs
+        self.prefix_lens = self.prefix_lens + [length - 1 for length in running.seq_lens_cpu]
+        self.extend_lens = self.extend_lens + [1] * n
+        self.seq_lens_cpu = self.seq_lens_cpu + list(running.seq_lens_cpu)
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        placeholders = torch.zeros(n, dtype=torch.int64, device=self.input_ids.device)
+        self.input_ids = torch.cat([self.input_ids, placeholders])
+        self.mixed_decode_rows = n
+        self._set_index_tensors()
+
     def _set_index_tensors(self) -> None:
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
@@ -388,6 +406,7 @@ class ScheduleBatch:
             seq_lens_cpu=list(self.seq_lens_cpu),
             extend_seq_lens=list(self.extend_lens),
             extend_prefix_lens=list(self.prefix_lens),
+            mixed_decode_rows=self.mixed_decode_rows,
             sampling_info=sampling_info,
             return_prompt_logits=return_prompt_logits,
         )

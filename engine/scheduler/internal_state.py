@@ -1,10 +1,15 @@
-"""The scheduler's run-time knobs (`Engine.set_internal_state`, `/set_internal_state`): which
-exist and what values they take. Checked by the caller before anything is sent, so a bad one
-is an InvalidRequestError naming it and changes nothing."""
+"""The scheduler's run-time state for operators: what `get_internal_state` reports
+(`scheduler_state`), and the knobs `set_internal_state` may change (`check_internal_state`):
+which exist and what values they take, checked by the caller before anything is sent, so a bad
+one is an InvalidRequestError naming it and changes nothing."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from engine.errors import InvalidRequestError
+from engine.scheduler.scheduler import Scheduler
 
 
 def check_internal_state(state: dict) -> dict[str, int | float]:
@@ -23,3 +28,30 @@ def check_internal_state(state: dict) -> dict[str, int | float]:
             raise InvalidRequestError(f"cannot set {key!r}; settable: {settable}", key)
         out[key] = value
     return out
+
+
+def scheduler_state(sched: Scheduler) -> dict[str, Any]:
+    """The scheduler's counters and memory, as `get_internal_state` reports them."""
+    elapsed = max(time.perf_counter() - sched.started_at, 1e-9)
+    size = sched.allocator.size
+    available, evictable = sched.allocator.available_size(), sched.tree_cache.evictable_size()
+    return {
+        "running_requests": len([r for r in sched.running_batch.reqs if not r.finished()]),
+        "waiting_requests": sched.num_waiting + (1 if sched.chunked_req is not None else 0),
+        "total_tokens": size,
+        "available_tokens": available,
+        "evictable_tokens": evictable,
+        "protected_tokens": sched.tree_cache.protected_size(),
+        "token_usage": 1.0 - (available + evictable) / size,
+        "cache_hit_rate": sched.hit_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0,
+        "new_token_ratio": sched.new_token_ratio,
+        "num_retractions": sched.num_retractions,
+        "generated_tokens": sched.generated_tokens,
+        "gen_throughput": sched.generated_tokens / elapsed,
+        "max_running_requests": sched.max_running_requests,
+        "grammar_steps": sched.grammar_steps,
+        "grammar_mask_fill_s": sched.grammar_mask_fill_s,
+        "grammar_mask_apply_s": sched.grammar_mask_apply_s,
+        "page_size": sched.page_size,
+        "radix_cache": not sched.args.disable_radix_cache,
+    }

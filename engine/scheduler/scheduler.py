@@ -69,6 +69,7 @@ class LaunchedBatch:
     kv_lens: list[int]  # each request's committed KV length with this forward: computed once it completes
     mode: ForwardMode
     mid_chunk: list[bool]  # this forward computed a non-final chunk of that request's prompt
+    num_extend: int  # leading rows that prefill (all for EXTEND, none for DECODE; MIXED: the rest decode)
     launched_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -171,7 +172,8 @@ class Scheduler:
         joined: list[Req] = []
         if self.last_batch is not None and self.last_batch.mode.is_extend():
             # The previous prefill joins the running batch (minus a continuing chunk / finished reqs).
-            joined = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+            prefilled = self.last_batch.reqs[: self.last_batch.num_extend]
+            joined = [r for r in prefilled if not r.finished() and r is not self.chunked_req]
             self.last_batch = None
             if joined:
                 self.running_batch.merge_batch(self._new_batch(joined))
@@ -191,10 +193,12 @@ class Scheduler:
             + self.tree_cache.evictable_size()
             - PrefillAdder.running_reservation(running, self.new_token_ratio)
         )
+        mixed = len(running) if self.args.enable_mixed_chunk else 0  # one token each rides along
+        chunk = self.chunked_prefill_size
         return PrefillBudget(
             rem_total_tokens=rem_total,
-            rem_input_tokens=self.args.max_prefill_tokens,
-            rem_chunk_tokens=self.chunked_prefill_size,
+            rem_input_tokens=max(self.args.max_prefill_tokens - mixed, 1),
+            rem_chunk_tokens=max(chunk - mixed, 1) if chunk is not None else None,
             max_new_reqs=self.max_running_requests - len(running),
             chunked_req=self.chunked_req,
             in_flight_heads=[h for h in map(prompt_head, in_flight) if h is not None],
@@ -209,11 +213,21 @@ class Scheduler:
             self.running_batch.filter_batch()
             if not self.running_batch.is_empty():
                 batch = self.update_running_batch(self.running_batch)
+        elif self.args.enable_mixed_chunk:
+            self._mix_running(batch)
         if batch is not None:
             self.ran_since_idle = True
         elif self.ran_since_idle and self.is_idle():
             self.on_idle()
         return batch
+
+    def _mix_running(self, batch: ScheduleBatch) -> None:
+        """Let the running requests decode inside the prefill's forward (MIXED), when each has
+        room for its token without retracting anyone (a retraction waits for a decode round)."""
+        running = self.running_batch
+        running.filter_batch()
+        if running.reqs and self._has_room(running.reqs, 1) and running.prepare_for_decode(inputs_on_device=True):
+            batch.mix_with_running(running)
 
     def on_idle(self) -> None:
         """The engine just went idle: the next burst starts from the initial `new_token_ratio`
@@ -337,10 +351,10 @@ class Scheduler:
 
     def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
         reqs = list(batch.reqs)
-        mid_chunk = [batch.forward_mode.is_extend() and r.is_chunked > 0 for r in reqs]
-        lb = LaunchedBatch(
-            batch, reqs, [r.epoch for r in reqs], [r.kv_committed_len for r in reqs], batch.forward_mode, mid_chunk
-        )
+        num_extend = len(reqs) - batch.mixed_decode_rows if batch.forward_mode.is_extend() else 0
+        mid_chunk = [i < num_extend and r.is_chunked > 0 for i, r in enumerate(reqs)]
+        kv_lens = [r.kv_committed_len for r in reqs]
+        lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], kv_lens, batch.forward_mode, mid_chunk, num_extend)
         if lb.mode.is_extend():
             self.last_batch = lb
         return lb
@@ -373,7 +387,7 @@ class Scheduler:
                 if req.top_logprobs_num and top_idx is not None:
                     n = req.top_logprobs_num
                     top = list(zip(top_idx[i][:n], top_val[i][:n]))
-            if lb.mode.is_extend() and not req.finished():
+            if i < lb.num_extend and not req.finished():
                 # Make the just-computed prompt shareable while the request decodes (SGLang does
                 # the same); the request is re-pointed at the tree's slots.
                 self.tree_cache.cache_unfinished_req(req)
@@ -422,28 +436,3 @@ class Scheduler:
         self.tree_cache.reset()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         return True
-
-    def internal_state(self) -> dict:
-        elapsed = max(time.perf_counter() - self.started_at, 1e-9)
-        size = self.allocator.size
-        available, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
-        return {
-            "running_requests": len([r for r in self.running_batch.reqs if not r.finished()]),
-            "waiting_requests": self.num_waiting + (1 if self.chunked_req is not None else 0),
-            "total_tokens": size,
-            "available_tokens": available,
-            "evictable_tokens": evictable,
-            "protected_tokens": self.tree_cache.protected_size(),
-            "token_usage": 1.0 - (available + evictable) / size,
-            "cache_hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "new_token_ratio": self.new_token_ratio,
-            "num_retractions": self.num_retractions,
-            "generated_tokens": self.generated_tokens,
-            "gen_throughput": self.generated_tokens / elapsed,
-            "max_running_requests": self.max_running_requests,
-            "grammar_steps": self.grammar_steps,
-            "grammar_mask_fill_s": self.grammar_mask_fill_s,
-            "grammar_mask_apply_s": self.grammar_mask_apply_s,
-            "page_size": self.page_size,
-            "radix_cache": not self.args.disable_radix_cache,
-        }
