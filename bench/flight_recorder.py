@@ -20,10 +20,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import msgspec
 import uvloop
 
 from bench.offline import make_workload, run_ours
-from engine import Engine, SamplingParams, resolve_model
+from engine import Engine, SamplingParams, load_dump, resolve_model
 
 
 def _dump_cost(model: str, dtype: str, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
@@ -34,12 +35,19 @@ def _dump_cost(model: str, dtype: str, prompts: list[list[int]], outs: list[int]
             params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in outs]
             await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
             state = await engine.get_internal_state()
-            forwards = len(engine.recent_steps())
+            steps = engine.recent_steps()
+            forwards = len(steps)
             with tempfile.TemporaryDirectory() as d:
                 t0 = time.perf_counter()
                 path = Path(engine.dump_flight_recorder("bench", d))
                 dump_s = time.perf_counter() - t0
                 size = path.stat().st_size
+                events_in_dump = load_dump(path).events
+        # What recording costs the event loop: encoding each event again, as the ring does.
+        t0 = time.perf_counter()
+        for event in events_in_dump:
+            msgspec.msgpack.encode(event)
+        encode_s = time.perf_counter() - t0
         events = state["flight_recorder"]["recorded"]
         return {
             "events": events,
@@ -47,6 +55,8 @@ def _dump_cost(model: str, dtype: str, prompts: list[list[int]], outs: list[int]
             "bytes_per_event": size / max(events, 1),
             "dump_mb": size / 1e6,
             "dump_s": dump_s,
+            "record_us_per_forward": encode_s / max(forwards, 1) * 1e6,
+            "forward_ms": sum(s.end - s.start for s in steps) / max(forwards, 1) * 1e3,
         }
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -80,7 +90,9 @@ def main(argv: list[str] | None = None) -> float:
         f"{args.workload}: recorder on {best['on']:.1f} tok/s, off {best['off']:.1f} tok/s -> "
         f"{ratio:.3f}x (target >= 0.98)\n"
         f"  {cost['events']:.0f} events, {cost['events_per_forward']:.1f} per forward, "
-        f"{cost['bytes_per_event']:.0f} bytes each; dump {cost['dump_mb']:.2f} MB in {cost['dump_s'] * 1e3:.0f} ms"
+        f"{cost['bytes_per_event']:.0f} bytes each; dump {cost['dump_mb']:.2f} MB in {cost['dump_s'] * 1e3:.0f} ms\n"
+        f"  recording: {cost['record_us_per_forward']:.0f} us of encoding per forward of "
+        f"{cost['forward_ms']:.1f} ms ({cost['record_us_per_forward'] / 10 / cost['forward_ms']:.3f}%)"
     )
     return ratio
 

@@ -22,6 +22,8 @@ from engine.errors import (
     RequestTooLargeError,
 )
 from engine.models.loader import ModelSource, resolve_model
+from engine.recorder.replay import ReplayReport, replay
+from engine.recorder.ring import load_dump
 from engine.sampling import SamplingParams
 from engine.scheduler.step import FORWARD_ANNOTATION, SyncScheduler
 from engine.server_args import GRAMMAR_BACKENDS, ServerArgs
@@ -43,6 +45,7 @@ __all__ = [
     "ModelSource",
     "Prompt",
     "RequestStream",
+    "ReplayReport",
     "RequestTooLargeError",
     "ResultBuilder",
     "SamplingParams",
@@ -51,5 +54,7 @@ __all__ = [
     "StreamDelta",
     "SyncScheduler",
     "default_torch_threads",
+    "load_dump",
+    "replay",
     "resolve_model",
 ]

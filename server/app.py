@@ -4,7 +4,8 @@ Middlewares, outermost first:
   errors    - any failure becomes OpenAI's error body with the right status; a bug is a logged 500
   connection limit - a request on a connection past --max-connections gets 503 (server/http_protocol.py)
   api_key   - `Authorization: Bearer <key>` when --api-key is set (401 otherwise); /health*,
-              /metrics and /openapi.json stay open for probes, scrapers and client generators
+              /metrics and /openapi.json stay open for probes, scrapers and client generators;
+              /dashboard and its socket also take `?api_key=<key>` (a browser sets no header there)
   body_size - 413 from the Content-Length header, before reading (aiohttp's client_max_size
               catches chunked bodies)
 Run it with `http_protocol.ApiRunner(app, handler_cancellation=True)`: a client that disconnects
@@ -19,7 +20,7 @@ import logging
 from aiohttp import web
 
 from engine import Engine
-from server import admin_api, native_api, openai_api, openapi, ws
+from server import admin_api, dashboard, native_api, openai_api, openapi, ws
 from server.config import ServerConfig
 from server.errors import ApiError, to_api_error
 from server.http_protocol import connection_limit_middleware
@@ -53,7 +54,7 @@ def _api_key_middleware(key: str):
     async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
         if not request.path.startswith(_OPEN_PATHS):
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            if not hmac.compare_digest(given, expected) and not dashboard.query_key_ok(request, key):
                 raise ApiError(
                     401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
                 )
@@ -100,6 +101,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     native_api.add_routes(app)
     ws.add_routes(app)
     admin_api.add_routes(app)
+    dashboard.add_routes(app)  # GET /dashboard and its live feed, GET /dashboard/ws
     openapi.add_routes(app)  # GET /openapi.json, built on startup from every route
     if config.enable_metrics:
         app.router.add_get("/metrics", _metrics_handler)

@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from server.errors import ApiError
 
@@ -87,11 +88,35 @@ class ApiServer(web.Server):
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+class RedactingAccessLogger(AbstractAccessLogger):
+    """One access-log line per request, with a query-string API key masked: the dashboard takes
+    `?api_key=` (browsers cannot send headers on a page load or a WebSocket handshake), and a
+    secret must not land in logs."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        url = request.rel_url
+        if "api_key" in url.query:
+            url = url.update_query(api_key="***")
+        major, minor = request.version
+        self.logger.info(
+            '%s "%s %s HTTP/%d.%d" %d %d %.3fs',
+            request.remote,
+            request.method,
+            url,
+            major,
+            minor,
+            response.status,
+            response.body_length,
+            time,
+        )
+
+
 class ApiRunner(web.AppRunner):
     """`web.AppRunner` whose connections use `JsonErrorRequestHandler` (see the module doc)."""
 
     def __init__(self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any) -> None:
         # Bodies are decoded by server/request_body.py, which answers a bad encoding with a 400.
+        kwargs.setdefault("access_log_class", RedactingAccessLogger)
         super().__init__(app, auto_decompress=False, **kwargs)
         self.max_connections = max_connections
 
@@ -102,4 +127,4 @@ class ApiRunner(web.AppRunner):
         return server
 
 
-__all__ = ["ApiRunner", "ApiServer", "JsonErrorRequestHandler", "connection_limit_middleware"]
+__all__ = ["ApiRunner", "ApiServer", "JsonErrorRequestHandler", "RedactingAccessLogger", "connection_limit_middleware"]

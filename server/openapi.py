@@ -175,6 +175,17 @@ _FLUSH = _Op("Drop every cached prefix (400 while requests run)", _json(_SUCCESS
 _MODEL = _Op("The served model (SGLang)", _json(_MODEL_INFO))
 _SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(_SERVER_INFO))
 _HEALTH_TEXT = "healthy (empty body)"
+_QUERY_KEY = {  # server/dashboard.py: a browser sets no header on a page load or a socket handshake
+    "parameters": [
+        {
+            "name": "api_key",
+            "in": "query",
+            "required": False,
+            "description": "the API key, instead of the Authorization header (these dashboard routes only)",
+            "schema": {"type": "string"},
+        }
+    ]
+}
 
 # (method, path) -> operation. Aliases share their entry.
 _OPERATIONS: dict[tuple[str, str], _Op] = {
@@ -245,6 +256,18 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
                 "server": {"oneOf": [_ref("WsDelta"), _ref("WsError")]},
             }
         },
+    ),
+    ("GET", "/dashboard"): _Op(
+        "The live operator dashboard: one self-contained HTML page fed by GET /dashboard/ws",
+        {"text/html": {"schema": {"type": "string"}}},
+        extra=_QUERY_KEY,
+    ),
+    ("GET", "/dashboard/ws"): _Op(
+        "WebSocket: the dashboard's feed, a JSON snapshot of the scheduler every 100 ms (server/dashboard.py)",
+        ok_text="switching protocols (a plain GET without the upgrade headers is a 400)",
+        status=101,
+        errors=(400, 500),
+        extra={**_QUERY_KEY, "x-websocket": {"server": {"type": "object", "required": ["type"]}}},
     ),
     ("GET", OPENAPI_PATH): _Op("This document", _json(_OBJECT), open=True),
 }

@@ -55,6 +55,7 @@ OPEN_OPS = ["GET /health", "GET /health_generate", "GET /metrics", "GET /openapi
 OPS = BODY_OPS + OPEN_OPS
 OPS += ["GET /v1/models", "GET /get_model_info", "GET /model_info", "GET /get_server_info", "GET /server_info"]
 OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws", "POST /stop_profile", "POST /dump_flight_recorder"]
+OPS += ["GET /dashboard", "GET /dashboard/ws"]
 EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 30, schemathesis.GenerationMode.NEGATIVE: 30}
 BODYLESS_EXAMPLES = 3  # a GET without parameters has one case; hypothesis would repeat it
 RAW_EXAMPLES = 40
