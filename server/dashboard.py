@@ -26,7 +26,8 @@ newer ones (dropped), never queued, and never hold the others up.
 Auth: behind the API key like everything else, but a browser can set no header on a page load or
 a WebSocket handshake, so these two paths also take the key as `?api_key=` (`query_key_ok`, used by
 the middleware in server/app.py); the page passes its own query key on to the socket. A key in a
-URL shows in the access log and the browser's history: a client that can set the header should.
+URL is masked in the access log (`RedactingAccessLogger`) but stays in the browser's history: a
+client that can set the header should.
 """
 
 from __future__ import annotations
