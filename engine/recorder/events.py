@@ -117,6 +117,15 @@ class RequeueRec(msgspec.Struct, frozen=True, tag=True):
     rids: list[str]
 
 
+class TokenOutRec(msgspec.Struct, frozen=True, tag=True):
+    """A `BatchTokenOut` as the output processor received it, without logprobs (replay compares
+    tokens and finishes; top logprobs would be most of a big batch's bytes)."""
+
+    rids: list[str]
+    token_ids: list[int]
+    finish_reasons: list[str | None]
+
+
 class StrOutRec(msgspec.Struct, frozen=True, tag=True):
     """A `BatchStrOut` without its text: users' outputs stay out of dump files (and it is the
     bulk of a step's bytes); replay needs none of it."""
@@ -139,7 +148,7 @@ RecordedMsg = (
     | RequeueRec
     | WaitingCount
     | RegisterReq
-    | BatchTokenOut
+    | TokenOutRec
     | StrOutRec
 )
 
@@ -264,6 +273,8 @@ def recorded_form(msg: msgspec.Struct) -> msgspec.Struct:
         return PrefillPlanReplyRec(msg.reply_id, describe_plan(msg.plan), msg.version)
     if isinstance(msg, RequeueReqs):
         return RequeueRec([r.rid for r in msg.reqs])
+    if isinstance(msg, BatchTokenOut):
+        return TokenOutRec(list(msg.rids), list(msg.token_ids), list(msg.finish_reasons))
     if isinstance(msg, BatchStrOut):
         deltas = msg.deltas
         return StrOutRec([d.rid for d in deltas], [len(d.text) for d in deltas], [d.finish_reason for d in deltas])

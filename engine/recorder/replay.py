@@ -33,7 +33,6 @@ import torch
 
 from engine.actors.messages import (
     AbortReq,
-    BatchTokenOut,
     PrefillPlanReply,
     StopStrMatched,
     TokenizedGenerateReq,
@@ -49,6 +48,7 @@ from engine.recorder.events import (
     Dump,
     FailEvent,
     Header,
+    OutRec,
     PlanEvent,
     PlanPrefillRec,
     PrefillPlanReplyRec,
@@ -56,6 +56,7 @@ from engine.recorder.events import (
     RequeueRec,
     ResultEvent,
     RoundEvent,
+    TokenOutRec,
     describe_out,
     recorded_form,
 )
@@ -258,13 +259,14 @@ class Replayer:
 
                 return self._internal(self.to_scheduler, msg, take)
             self.actor.handle_message(msg)
-        elif actor == OUTPUT and isinstance(msg, BatchTokenOut):
+        elif actor == OUTPUT and isinstance(msg, TokenOutRec):
+            recorded = OutRec(msg.rids, msg.token_ids, msg.finish_reasons)
             for box in (self.sched_out, self.adder_out):
-                if box.sent and describe_out(box.sent[0]) == describe_out(msg):  # type: ignore[arg-type]
+                if box.sent and describe_out(box.sent[0]) == recorded:  # type: ignore[arg-type]
                     box.sent.popleft()
                     return None
             heads = [describe_out(b.sent[0]) for b in (self.sched_out, self.adder_out) if b.sent]  # type: ignore[arg-type]
-            return "output the replayed actors did not send", describe_out(msg), heads
+            return "output the replayed actors did not send", recorded, heads
         return None
 
     def _internal(self, box: _Outbox, recorded: msgspec.Struct, handle: Any) -> tuple[str, Any, Any] | None:
