@@ -10,6 +10,10 @@ Workloads (token ids drawn with `--seed`, default 0, from the model's vocabulary
     W2 shared-prefix  8 groups x 8: one 512-token prefix per group + a 64-token question, 64 out
     W3 decode-heavy   32 requests, 32-token prompts, 256 output tokens
     single            1 request, 32-token prompt, 128 output tokens (single-stream speed)
+    M0..M5            the mixed-shape family (`--workloads family`): M0 is 32 requests, prompts
+                      U[64, 384], outputs U[32, 160] (fewer requests, shorter outputs than W1);
+                      M1..M5 draw a request count from 16-128 and prompt/output ranges from
+                      their own seeds (`family_shape`), so no shape is chosen to flatter us
 
 transformers methods (the baselines a user already has):
 
@@ -21,6 +25,7 @@ W2 also runs our engine with the radix cache disabled (`ours-noradix`), the pref
 
     python -m bench.offline                                 # everything (several minutes)
     python -m bench.offline --workloads W3 single --hf-methods static
+    python -m bench.offline --workloads family --hf-methods static16 cb   # the mixed family
     python -m bench.offline --output-file offline.json
 """
 
@@ -63,8 +68,27 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
+FAMILY = tuple(f"M{i}" for i in range(6))
+
+
+def family_shape(index: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """Member `index` of the mixed family: (requests, prompt length range, output length range).
+    M0 is the shape a user tried; the others come from their own seeds, fixed across runs."""
+    if index == 0:
+        return 32, (64, 384), (32, 160)
+    rng = random.Random(1000 + index)
+    prompt_lo, output_lo = rng.choice((16, 32, 64, 128)), rng.choice((8, 16, 32, 64))
+    prompt = (prompt_lo, prompt_lo * rng.choice((2, 4, 8)))
+    output = (output_lo, output_lo * rng.choice((2, 4, 8)))
+    return rng.choice((16, 32, 64, 128)), prompt, output
+
+
 def make_workload(name: str, vocab: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
+    if name in FAMILY:
+        n, (p_lo, p_hi), (o_lo, o_hi) = family_shape(FAMILY.index(name))
+        prompts = [_ids(rng, rng.randint(p_lo, p_hi), vocab) for _ in range(n)]
+        return Workload(name, prompts, [rng.randint(o_lo, o_hi) for _ in range(n)])
     if name == "W1":
         prompts = [_ids(rng, rng.randint(64, 512), vocab) for _ in range(64)]
         return Workload(name, prompts, [rng.randint(32, 256) for _ in range(64)])
@@ -249,7 +273,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
         default=None,
         help="torch threads of both sides' forward (default: ours as Engine() picks them, transformers the same)",
     )
-    ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "single"])
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["W1", "W2", "W3", "single"],
+        help="W1 W2 W3 single, M0..M5, or family (= M0..M5)",
+    )
     ap.add_argument("--hf-methods", nargs="*", default=list(HF_METHODS), choices=HF_METHODS)
     ap.add_argument("--no-radix-compare", action="store_true", help="skip ours without the radix cache on W2")
     ap.add_argument("--disable-cascade-attention", action="store_true", help="ours: no shared-prefix decode attention")
@@ -265,7 +294,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     vocab = source.hf_config.vocab_size
     dtype = getattr(torch, args.dtype)
     print(f"model={args.model_path} dtype={args.dtype} threads={hf_threads} torch={torch.__version__} seed={args.seed}")
-    workloads = [make_workload(w, vocab, args.seed) for w in args.workloads]
+    names = [m for w in args.workloads for m in (FAMILY if w == "family" else (w,))]
+    for m in names:
+        if m in FAMILY:
+            n, prompt, output = family_shape(FAMILY.index(m))
+            print(f"  {m}: {n} requests, prompts U{list(prompt)}, outputs U{list(output)}")
+    workloads = [make_workload(w, vocab, args.seed) for w in names]
     results: list[Result] = []
 
     def record(run: Callable[..., Result], *run_args: Any, **run_kw: Any) -> None:
