@@ -1,0 +1,294 @@
+"""The router's aiohttp application: the generation routes proxied to one worker each, the
+admin routes answered for all of them.
+
+Proxying: the body goes to the chosen worker unchanged and the answer comes back as it is (the
+worker's status, a 400 included). An SSE answer is relayed chunk by chunk as it arrives. A
+failure before anything reached the client (the connection refused or reset, or a worker's 503,
+e.g. one that is draining) is retried once on another healthy worker: the client never saw the
+first try. Once a stream has started the status line is spent, so a worker lost in mid-stream
+ends the client's stream with an error event in OpenAI's shape, then `[DONE]`: never a hang,
+never a stream that just stops. Run it with `handler_cancellation=True`: a client that goes
+away cancels its handler, which closes the upstream connection, so the worker aborts too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from server.router.errors import RouterError, no_healthy_worker
+from server.router.policy import Worker, routing_text
+from server.router.state import ROUTER, Router, RouterConfig
+
+log = logging.getLogger(__name__)
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+_OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+_FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+_DONE = b"data: [DONE]"
+WORKER_HEADER = "X-Router-Worker"  # which worker answered: for operators and tests
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+
+
+class _Retry(Exception):
+    """This worker failed before the client saw a byte: try another one."""
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RouterError as e:
+        request.app[ROUTER].metrics.errors.labels(str(e.code)).inc()
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return RouterError(e.status, e.text or e.reason).response()
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        request.app[ROUTER].metrics.errors.labels("internal").inc()
+        return RouterError(500, f"internal router error: {type(e).__name__}: {e}").response()
+
+
+def _api_key_middleware(key: str):
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+        if not request.path.startswith(_OPEN_PATHS):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise RouterError(
+                    401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "invalid_api_key"
+                )
+        return await handler(request)
+
+    return api_key_middleware
+
+
+def _forward_headers(request: web.Request, router: Router) -> dict[str, str]:
+    headers = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
+    if "Authorization" not in headers:
+        headers.update(router.auth_headers())
+    return headers
+
+
+async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker) -> web.StreamResponse:
+    """Pass the worker's SSE through as it arrives; end it with an error event if the worker
+    is lost before its `[DONE]`."""
+    resp = web.StreamResponse(status=upstream.status, headers={**_SSE_HEADERS, WORKER_HEADER: worker.url})
+    await resp.prepare(request)
+    tail, failure = b"", ""
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            failure = f"{type(e).__name__}: {e}"
+            break
+        if not chunk:
+            break
+        await resp.write(chunk)  # ConnectionResetError: the client left; the caller closes upstream
+        tail = (tail + chunk)[-64:]
+    if failure or not tail.rstrip().endswith(_DONE):
+        log.warning("worker %s lost in mid-stream: %s", worker.url, failure or "the stream ended without [DONE]")
+        request.app[ROUTER].metrics.errors.labels("worker_lost_mid_stream").inc()
+        err = RouterError(502, f"the worker {worker.url} failed in mid-stream", code="worker_failed")
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(err.sse_event() + _DONE + b"\n\n")
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
+
+
+async def _forward(request: web.Request, router: Router, worker: Worker, body: bytes) -> web.StreamResponse:
+    """One try at one worker; raises _Retry when nothing reached the client yet."""
+    assert router.session is not None
+    url = worker.url + request.path_qs
+    try:
+        upstream = await router.session.post(url, data=body, headers=_forward_headers(request, router))
+    except aiohttp.ClientConnectorError as e:  # refused, unreachable: it is down
+        router.set_health(worker, False, f" ({e})")
+        raise _Retry(str(e)) from e
+    except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:  # reset before the headers
+        raise _Retry(f"{type(e).__name__}: {e}") from e
+    finished = False
+    try:
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        if upstream.status == 200 and ctype.startswith("text/event-stream"):
+            resp = await _relay_stream(request, upstream, worker)
+            finished = True
+            return resp
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        finished = True
+        if upstream.status == 503:  # draining or full: another worker may take it
+            raise _Retry(f"503: {data[:200]!r}")
+        return web.Response(
+            body=data, status=upstream.status, headers={"Content-Type": ctype, WORKER_HEADER: worker.url}
+        )
+    finally:
+        if finished:
+            upstream.release()
+        else:  # the client left or the read failed: drop the connection so the worker aborts
+            upstream.close()
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    """A generation request, routed by its text; retried once elsewhere on an early failure."""
+    router = request.app[ROUTER]
+    body = await request.read()
+    try:
+        parsed: Any = json.loads(body)
+    except ValueError:
+        parsed = None  # the worker answers the 400
+    text = routing_text(request.path, parsed)
+    tried: set[str] = set()
+    last_failure = ""
+    for attempt in range(2):
+        worker = router.pick(text, tried)
+        if worker is None:
+            break
+        if attempt:
+            router.metrics.retries.labels(worker.url).inc()
+        router.metrics.requests.labels(worker.url, request.path).inc()
+        router.begin(worker)
+        try:
+            return await _forward(request, router, worker, body)
+        except _Retry as e:
+            log.warning("worker %s failed before answering (%s)%s", worker.url, e, "" if attempt else "; retrying")
+            tried.add(worker.url)
+            last_failure = f"{worker.url}: {e}"
+        finally:
+            router.end(worker)
+    if len(tried) < 2:  # no worker (left) to try: the only one(s) failed or none is healthy
+        err = no_healthy_worker()
+        if last_failure:
+            err.message += f" (last failure: {last_failure})"
+        raise err
+    raise RouterError(502, f"the worker failed before answering ({last_failure})", code="worker_failed")
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    if router.any_healthy() is None:
+        return no_healthy_worker().response()
+    return web.json_response({"status": "ok", "healthy_workers": sum(w.healthy for w in router.workers)})
+
+
+async def models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    assert router.session is not None
+    for worker in [w for w in router.workers if w.healthy]:
+        try:
+            async with router.session.get(
+                worker.url + "/v1/models", headers=_forward_headers(request, router), timeout=_INFO_TIMEOUT
+            ) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            continue
+    raise no_healthy_worker()
+
+
+async def _worker_info(router: Router, worker: Worker, headers: dict[str, str]) -> dict[str, Any] | None:
+    assert router.session is not None
+    try:
+        async with router.session.get(worker.url + "/get_server_info", headers=headers, timeout=_INFO_TIMEOUT) as r:
+            return await r.json() if r.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return None
+
+
+def aggregate(workers: list[Worker], infos: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Per worker its URL, health, in-flight count and own info; summed counters; the cache hit
+    rate weighted by `prompt_tokens` when the workers report it, else their plain mean."""
+    totals = {"running_requests": 0, "waiting_requests": 0, "generated_tokens": 0}
+    rates: list[tuple[float, float | None]] = []
+    for info in infos:
+        for st in (info or {}).get("internal_states") or []:
+            for key in totals:
+                totals[key] += int(st.get(key) or 0)
+            if isinstance(st.get("cache_hit_rate"), (int, float)):
+                weight = st.get("prompt_tokens")
+                rates.append((float(st["cache_hit_rate"]), float(weight) if isinstance(weight, (int, float)) else None))
+    hit_rate = None
+    if rates:
+        if all(w is not None for _, w in rates) and sum(w for _, w in rates if w is not None) > 0:
+            hit_rate = sum(r * (w or 0.0) for r, w in rates) / sum(w or 0.0 for _, w in rates)
+        else:
+            hit_rate = sum(r for r, _ in rates) / len(rates)
+    return {
+        "workers": [
+            {"url": w.url, "healthy": w.healthy, "inflight": w.inflight, "server_info": info}
+            for w, info in zip(workers, infos, strict=True)
+        ],
+        **totals,
+        "cache_hit_rate": hit_rate,
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    headers = _forward_headers(request, router)
+    infos = await asyncio.gather(*(_worker_info(router, w, headers) for w in router.workers))
+    info = aggregate(router.workers, list(infos))
+    info["load_balance_method"] = router.policy.name
+    return web.json_response(info)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """POST /flush_cache to every healthy worker; success only if all of them succeeded."""
+    router = request.app[ROUTER]
+    assert router.session is not None
+    headers = _forward_headers(request, router)
+
+    async def one(worker: Worker) -> dict[str, Any]:
+        if not worker.healthy:
+            return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
+        try:
+            async with router.session.post(worker.url + "/flush_cache", headers=headers, timeout=_INFO_TIMEOUT) as r:
+                return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return {"url": worker.url, "status": None, "success": False, "message": f"{type(e).__name__}: {e}"}
+
+    results = await asyncio.gather(*(one(w) for w in router.workers))
+    ok = any(r["success"] for r in results) and all(r["success"] or r["status"] is None for r in results)
+    return web.json_response({"success": ok, "workers": results}, status=200 if ok else 502)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return request.app[ROUTER].metrics.render()
+
+
+def build_router_app(config: RouterConfig) -> web.Application:
+    """The router's application; its startup checks the workers once and starts the health loop."""
+    middlewares = [errors_middleware]
+    if config.api_key:
+        middlewares.append(_api_key_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    router = app[ROUTER] = Router(config)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    for path in GENERATION_ROUTES:
+        app.router.add_post(path, proxy)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+__all__ = ["GENERATION_ROUTES", "WORKER_HEADER", "aggregate", "build_router_app", "proxy"]

@@ -1,0 +1,124 @@
+"""The router's shared state: the workers, the policy, one HTTP client session, the metrics,
+and the background health checks.
+
+One `aiohttp.ClientSession` serves every forwarded request (its connection pool keeps
+keep-alive connections to the workers). Its timeout has no total (a long stream is normal) but
+a connect timeout, so a dead host fails fast and the request can be retried elsewhere.
+Health checks use their own short total timeout: a worker that does not answer /health within
+it is taken out of routing until it answers 200 again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from server.router.metrics import RouterMetrics
+from server.router.policy import Policy, Worker, make_policy
+
+log = logging.getLogger(__name__)
+
+PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
+
+
+@dataclass
+class RouterConfig:
+    worker_urls: list[str]
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.0001
+    max_tree_size: int = 1 << 20
+    health_check_interval: float = 1.0
+    health_check_timeout: float = 2.0
+    api_key: str | None = None
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers = [Worker(url.rstrip("/"), healthy=False) for url in config.worker_urls]
+        self.policy: Policy = make_policy(
+            config.policy,
+            config.cache_threshold,
+            config.balance_abs_threshold,
+            config.balance_rel_threshold,
+            config.max_tree_size,
+        )
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        for w in self.workers:
+            self.metrics.healthy.labels(w.url).set(0)
+            self.metrics.inflight.labels(w.url).set(0)
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def pick(self, text: str, exclude: Collection[str] = ()) -> Worker | None:
+        candidates = [w for w in self.workers if w.url not in exclude]
+        return self.policy.pick(candidates, text)
+
+    def any_healthy(self) -> Worker | None:
+        return next((w for w in self.workers if w.healthy), None)
+
+    def begin(self, worker: Worker) -> None:
+        worker.inflight += 1
+        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+
+    def end(self, worker: Worker) -> None:
+        worker.inflight -= 1
+        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+
+    def set_health(self, worker: Worker, healthy: bool, why: str = "") -> None:
+        if healthy != worker.healthy:
+            log.warning("worker %s is now %s%s", worker.url, "healthy" if healthy else "UNHEALTHY", why)
+            if not healthy:
+                self.policy.forget(worker)  # its cache may be gone when it comes back
+        worker.healthy = healthy
+        self.metrics.healthy.labels(worker.url).set(1 if healthy else 0)
+
+    async def check(self, worker: Worker) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout)
+        try:
+            async with self.session.get(worker.url + "/health", headers=self.auth_headers(), timeout=timeout) as r:
+                await r.read()
+                self.set_health(worker, r.status == 200, f" (/health answered {r.status})")
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            self.set_health(worker, False, f" ({type(e).__name__}: {e})")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not end health checking for good
+                log.exception("health check round failed")
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=PROXY_TIMEOUT)
+        await self.check_all()  # route from the first request on, not after one interval
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.session is not None:
+            await self.session.close()
+
+
+ROUTER = web.AppKey("router", Router)
+
+__all__ = ["PROXY_TIMEOUT", "ROUTER", "Router", "RouterConfig"]
