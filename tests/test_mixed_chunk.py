@@ -12,7 +12,7 @@ from engine import SamplingParams, SyncScheduler
 from engine.recorder.replay import replay
 from tests.sched_harness import make_runner, new_req, random_prompts
 from tests.test_engine import tiny_engine, tiny_tok_folder  # noqa: F401  (the fixture)
-from tests.test_scheduler import prompts_and_params, alone_outputs, tiny_folder  # noqa: F401  (fixtures)
+from tests.test_scheduler import alone_outputs, prompts_and_params, tiny_folder  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize(
