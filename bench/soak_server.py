@@ -55,6 +55,8 @@ class LaunchedServer:
 
     def launch(self) -> LaunchedServer:
         """Start the process; `wait_ready` then waits for /health."""
+        if self._log is not None:  # a relaunch (same command, same port): the old handle is done
+            self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         return self

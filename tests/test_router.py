@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,8 +25,8 @@ from server.router.app import WORKER_HEADER, aggregate, build_router_app
 from server.router.policy import CacheAware, RoundRobin, ShortestQueue, Worker, routing_text
 from server.router.tree import ApproxRadixTree
 from tests.server_helpers import (  # noqa: F401 (tiny_model_dir: a fixture)
-    REPO,
     TINY_ARGS,
+    LaunchedServer,
     ServerProcess,
     free_port,
     get_json,
@@ -221,39 +220,15 @@ async def test_no_healthy_worker_is_a_503():
 # --- real workers behind a real router -------------------------------------------------------
 
 
-class RouterProcess:
-    """`python -m server.router` on a free port; `start()` returns once its /health is 200."""
+class RouterProcess(LaunchedServer):
+    """`python -m server.router` on a free port: LaunchedServer's start/stop (ready once /health
+    is 200; SIGTERM returns the exit status) with a router's command line."""
 
     def __init__(self, workers: list[str], *args: str, log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server.router", "--port", str(self.port), "--worker-urls", *workers, *args]
+        super().__init__("", [])
         self.log_path = log_dir / f"router-{self.port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - written until stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT)
-
-    def start(self) -> RouterProcess:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the router did not start:\n{self.log_path.read_text()}")
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            code = self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        return code
+        self.cmd = [sys.executable, "-m", "server.router", "--port", str(self.port), "--worker-urls", *workers, *args]
+        self.env = server_env()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ runs (measured unless `q4_max_tokens` is given), and the decode CUDA graphs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -51,12 +51,16 @@ class GenerationBatchResult:
     # CUDA: next_token_ids on their way to pinned host memory (non-blocking copy + event).
     next_token_ids_host: DeviceToHost | None = None
 
+    _host_ids: list[int] | None = field(default=None, repr=False)  # next_token_ids_list, once read
+
     def next_token_ids_list(self) -> list[int]:
-        """The sampled ids on the host. On CUDA this waits for this step's copy event only, never
-        for the whole device (the next step may already be running)."""
-        if self.next_token_ids_host is not None:
-            return self.next_token_ids_host.result().tolist()
-        return self.next_token_ids.tolist()
+        """The sampled ids on the host, read once (the scheduler and the flight recorder both
+        want them). On CUDA this waits for this step's copy event only, never for the whole
+        device (the next step may already be running)."""
+        if self._host_ids is None:
+            ids = self.next_token_ids_host.result() if self.next_token_ids_host is not None else self.next_token_ids
+            self._host_ids = ids.tolist()
+        return self._host_ids
 
 
 class ModelRunner:
