@@ -9,9 +9,11 @@ Public names: everything in `__all__` below. The server and the benchmarks use o
 
 from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
 from engine.device.cpu_threads import default_torch_threads
+from engine.distributed.launcher import run_worker_node
 from engine.engine import Engine
 from engine.errors import (
     ContextLengthExceededError,
+    DistributedError,
     EngineError,
     EngineUnhealthyError,
     GrammarCompileTimeoutError,
@@ -32,6 +34,7 @@ __all__ = [
     "FORWARD_ANNOTATION",
     "GRAMMAR_BACKENDS",
     "ContextLengthExceededError",
+    "DistributedError",
     "Engine",
     "EngineError",
     "EngineUnhealthyError",
@@ -57,4 +60,5 @@ __all__ = [
     "load_dump",
     "replay",
     "resolve_model",
+    "run_worker_node",
 ]

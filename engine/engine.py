@@ -32,6 +32,7 @@ from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultB
 from engine.constrained import GrammarBackend
 from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
+from engine.distributed.driver import TPDriver
 from engine.errors import EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.profiler import EngineProfiler
@@ -61,6 +62,7 @@ class Engine:
         self._scheduler: OverlapScheduler | None = None
         self._stream: DeviceStream | None = None
         self._died: asyncio.Event | None = None
+        self._tp: TPDriver | None = None  # tensor parallelism: rank 0's side of the group
         self.death_reason: str | None = None  # why the engine turned unhealthy, once it has
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -79,7 +81,9 @@ class Engine:
             # tok/s once it is 1). Restored by stop().
             self._loop_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-        threads = args.torch_threads if args.torch_threads is not None else default_torch_threads() if on_cpu else None
+        threads = args.torch_threads
+        if on_cpu and threads is None:  # the tensor-parallel ranks on this host share its cores
+            threads = self._tp.threads if self._tp is not None else default_torch_threads()
         self._stream = make_device_stream(runner.device, threads)
         self._forward_threads = await self._stream.launch(torch.get_num_threads)
         sched = Scheduler(runner, args)
@@ -116,10 +120,16 @@ class Engine:
         self._profiler = EngineProfiler(self._stream, lambda: scheduler.num_forwards, args.profile_dir)
         scheduler.on_forward = self._profiler.note_forward
         self._system.start_all()
+        if self._tp is not None:
+            self._tp.watch(self._system)
         return self
 
     def _load(self) -> tuple[ModelRunner, Any, GrammarBackend | None]:
-        runner = ModelRunner(self.args)
+        if self.args.tp_size > 1:
+            self._tp = TPDriver(self.args)
+            runner = self._tp.load()
+        else:
+            runner = ModelRunner(self.args)
         tokenizer = runner.source.load_tokenizer()
         grammar_backend = None
         if self.args.grammar_backend == "xgrammar":  # the vocabulary's tables: ~0.1 s, once
@@ -131,6 +141,7 @@ class Engine:
         if self._profiler is not None:  # a running profile is written while the stream still runs
             await self._profiler.close()
             self._profiler = None
+        healthy = self.healthy
         if self._system is not None:
             await self._system.stop_all()
             self._system = None
@@ -140,6 +151,9 @@ class Engine:
             except TimeoutError:
                 log.error("the device stream did not drain within %s s; abandoning it", STREAM_CLOSE_TIMEOUT_S)
             self._stream = None
+        if self._tp is not None:
+            await asyncio.to_thread(self._tp.stop, healthy)
+            self._tp = None
         if self._loop_threads is not None:
             torch.set_num_threads(self._loop_threads)
             self._loop_threads = None
@@ -363,6 +377,8 @@ class Engine:
         state["actors"] = [s.name + ":" + s.state for s in stats]
         state["message_errors"] = sum(s.message_errors for s in stats)  # handled, contained failures
         state["torch_threads"] = {"event_loop": torch.get_num_threads(), "forward": self._forward_threads}
+        # Each tensor-parallel rank's placement, weight bytes and KV pool (one entry at tp size 1).
+        state["tensor_parallel"] = self._loaded().tp_ranks
         if (rec := self._recorder) is not None:
             last = str(rec.last_dump) if rec.last_dump is not None else None
             state["flight_recorder"] = {

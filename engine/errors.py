@@ -67,3 +67,8 @@ class GrammarQueueFullError(EngineError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class DistributedError(EngineError):
+    """A tensor-parallel rank died, or a collective or the rendezvous failed: the group cannot be
+    repaired in place, so the engine turns unhealthy (its in-flight requests fail with this)."""

@@ -93,6 +93,14 @@ class ServerArgs:
     # <tmp>/asyncllm-flight-recorder.
     flight_recorder_size: int = 50_000
     flight_recorder_dir: str | None = None
+    # Tensor parallelism (engine/distributed/): every layer sharded over tp_size ranks on
+    # torch.distributed (gloo on CPU, NCCL on CUDA). Rank 0 is this process (the actors); the
+    # others run a worker loop. One host: the engine spawns them. Several hosts (SGLang's flags):
+    # nnodes hosts, this one is node_rank, rendezvous at dist_init_addr ("HOST:PORT" of node 0).
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.
@@ -108,13 +116,15 @@ class ServerArgs:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "nnodes"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 fail(name, "an integer >= 1")
         for name in ("context_length", "max_total_tokens", "torch_threads", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 fail(name, "an integer >= 1")
+        if not (is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes):
+            fail("node_rank", f"an integer in [0, nnodes={self.nnodes})")
         size = self.flight_recorder_size
         if not (is_int(size) and size >= 0):
             fail("flight_recorder_size", "an integer >= 0 (0: off)")

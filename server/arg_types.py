@@ -59,3 +59,11 @@ def chunk_size(text: str) -> int:
     """--chunked-prefill-size: -1 disables chunking (SGLang's spelling), else a size >= 1."""
     value = int(text)
     return _checked(value, value == -1 or value >= 1, "-1 (no chunking) or >= 1")
+
+
+def device(text: str) -> str:
+    """--device: auto, cpu, cuda, or cuda:N (one GPU by index; the data-parallel controller gives
+    each replica its own)."""
+    kind, sep, index = text.partition(":")
+    ok = text in ("auto", "cpu", "cuda") or (kind == "cuda" and sep == ":" and index.isdigit())
+    return _checked(text, ok, "auto, cpu, cuda or cuda:N")

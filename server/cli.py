@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from engine import GRAMMAR_BACKENDS
 from server.arg_types import (
     chunk_size,
+    device,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -38,6 +39,8 @@ DTYPES = {
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Mirrors engine.layers.attention_backend.ATTENTION_BACKENDS (importing it would import torch).
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# Mirrors server.router.policy.POLICIES (the router's policies serve the --dp-size front end).
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(DTYPES),
         help="weights and KV dtype (default: auto = bfloat16 on GPUs and CPUs with AVX512-BF16 or AMX, else float32)",
     )
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: auto = cuda if present)")
+    g.add_argument(
+        "--device",
+        type=device,
+        help="auto, cpu, cuda or cuda:N, where to run (default: auto = cuda if present)",
+    )
     g = p.add_argument_group("gpu")
     g.add_argument(
         "--attention-backend",
@@ -229,6 +236,38 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         help="seconds a request's grammar may take to compile before the request fails with a 400 (default: 30)",
     )
+    g = p.add_argument_group("scale-out")
+    g.add_argument(
+        "--tp-size",
+        type=positive_int,
+        help="tensor parallelism: shard every layer over this many ranks (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA); rank 0 runs the scheduler, the others a worker loop (default: 1)",
+    )
+    g.add_argument("--nnodes", type=positive_int, help="hosts the tensor-parallel ranks span (default: 1)")
+    g.add_argument("--node-rank", type=non_negative_int, help="this host's index among --nnodes (default: 0)")
+    g.add_argument(
+        "--dist-init-addr",
+        help="HOST:PORT of node 0 for the torch.distributed rendezvous (needed when --nnodes > 1; "
+        "default on one host: a free loopback port)",
+    )
+    g.add_argument(
+        "--dp-size",
+        type=positive_int,
+        default=ServerConfig.dp_size,
+        help="data parallelism: this many engine replicas (each its own process and KV pool) behind one "
+        "front end that routes requests (default: %(default)s)",
+    )
+    g.add_argument(
+        "--load-balance-method",
+        choices=LOAD_BALANCE_METHODS,
+        default=ServerConfig.load_balance_method,
+        help="how the --dp-size front end picks a replica (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ray-address",
+        help="place the --dp-size replicas as Ray actors on this cluster ('auto' or HOST:PORT; needs "
+        "`pip install .[ray]`)",
+    )
     return p
 
 
@@ -251,6 +290,10 @@ _ENGINE_OPTIONS = (
     "profile_dir",
     "flight_recorder_size",
     "flight_recorder_dir",
+    "tp_size",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
 )
 
 
@@ -287,5 +330,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         body_read_timeout=ns.body_read_timeout,
         max_connections=ns.max_connections,
         log_level=ns.log_level,
+        dp_size=ns.dp_size,
+        load_balance_method=ns.load_balance_method,
+        ray_address=ns.ray_address,
     )
     return engine, config

@@ -29,6 +29,10 @@ class ServerConfig:
     # Open connections (HTTP and WebSocket) beyond this many get 503 and are closed at once.
     max_connections: int = 4096
     log_level: str = "info"
+    # Data parallelism (server/dp/): replicas behind a routing front end; 1 = this process serves.
+    dp_size: int = 1
+    load_balance_method: str = "cache_aware"
+    ray_address: str | None = None  # place the replicas as Ray actors on this cluster
 
     @property
     def model_name(self) -> str:

@@ -12,6 +12,9 @@ handler has let go of its generations.
 
 Startup failures a user can cause (bad model path, port in use, bad engine option) end with one
 line on stderr and a non-zero status; a traceback is shown only with --log-level debug.
+
+With `--dp-size` above 1 (or `--ray-address`), `main` runs the data-parallel controller instead
+(`server/dp/controller.py`): replicas of this very server behind a routing front end.
 """
 
 from __future__ import annotations
@@ -172,15 +175,37 @@ async def _engine_settled(state: ServerState) -> None:
         await asyncio.sleep(0.01)
 
 
+def _run_worker_node(engine_options: dict[str, Any], config: ServerConfig) -> int:
+    """`--node-rank K` (K > 0): this host only runs its tensor-parallel ranks (no HTTP); node 0's
+    server drives them and stops them when it stops."""
+    from engine import EngineError, InvalidServerArgsError, run_worker_node
+
+    try:
+        return run_worker_node(config.model_path, **engine_options)
+    except InvalidServerArgsError as e:
+        return _fail(str(e), config, EXIT_USAGE)
+    except EngineError as e:
+        return _fail(str(e), config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from server.cli import parse_args
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     engine_options, config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
 
+    if engine_options.get("node_rank", 0) > 0:  # a host of tensor-parallel ranks other than node 0
+        return _run_worker_node(engine_options, config)
+    if config.dp_size > 1 or config.ray_address is not None:  # a controller of replicas (server/dp/)
+        from server.dp.controller import serve_dp
+
+        job = serve_dp(argv, engine_options, config)
+    else:
+        job = serve(engine_options, config)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
-            return runner.run(serve(engine_options, config))
+            return runner.run(job)
         except KeyboardInterrupt:
             return 0

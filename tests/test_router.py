@@ -304,6 +304,23 @@ def test_health_info_and_metrics(router, workers):
         assert json.loads(r.read())["success"] is True
 
 
+def test_probes_model_info_and_aborts_reach_the_workers(router, workers, model):
+    """What a single server answers, the router answers too: /health_generate (one replica that
+    generates is enough), /get_model_info, and /abort_request sent to every worker (only the one
+    holding the rid has it)."""
+    with urllib.request.urlopen(router.url + "/health_generate", timeout=60) as r:
+        assert r.status == 200
+    assert (
+        get_json(router.url + "/get_model_info")["model_path"]
+        == get_json(workers[0].url + "/get_model_info")["model_path"]
+    )
+    _, out = _post(router.url + "/abort_request", {"rid": "no-such-request"})
+    assert out["success"] is True and len(out["workers"]) == 2
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        _post(router.url + "/abort_request", {"rid": 7})
+    assert bad.value.code == 400
+
+
 def _post(url: str, body: dict) -> tuple[str, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:

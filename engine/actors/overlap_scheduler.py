@@ -51,7 +51,7 @@ from engine.actors.request_timeline import RequestTimelines
 from engine.actors.runtime import Actor
 from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
-from engine.errors import InvalidRequestError, WatchdogTimeoutError
+from engine.errors import DistributedError, InvalidRequestError, WatchdogTimeoutError
 from engine.model_executor.model_runner import GenerationBatchResult
 from engine.recorder.events import describe_batch, describe_budget, describe_out
 from engine.recorder.ring import FlightRecorder
@@ -210,9 +210,11 @@ class OverlapScheduler(Actor):
             self.on_forward(self.num_forwards)
         try:
             result, t0, t1 = fut.result()
-        except Exception as e:  # a failed forward fails its requests, not the engine
+        except Exception as e:  # a failed forward fails its requests, not the engine...
             log.exception("forward failed; failing %d request(s)", len(lb.reqs))
             self.fail_step(inflight.step, lb, e)
+            if isinstance(e, DistributedError):  # ...unless a tensor-parallel rank is lost: then both
+                raise
         else:
             self.steps.append(StepRecord(lb.mode.name, len(lb.reqs), inflight.num_tokens, t0, t1))
             self.complete_step(inflight.step, lb, result, t1 - t0)

@@ -66,9 +66,14 @@ class ActorSystem:
 
     def _crashed(self, actor: Actor, exc: BaseException) -> None:
         """An actor's crash listener: record it (health turns False) and tell the owner."""
-        self.crashed.append((actor.name, exc))
+        self.record_crash(actor.name, exc)
+
+    def record_crash(self, name: str, exc: BaseException) -> None:
+        """Something the actors depend on died (`name`: an actor, or e.g. a tensor-parallel rank):
+        health turns False for good and the owner is told."""
+        self.crashed.append((name, exc))
         if self._on_crash is not None:
             try:
-                self._on_crash(actor.name, exc)
+                self._on_crash(name, exc)
             except Exception:
-                logger.exception("ActorSystem on_crash callback raised for %r", actor.name)
+                logger.exception("ActorSystem on_crash callback raised for %r", name)

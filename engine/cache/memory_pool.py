@@ -11,7 +11,12 @@ leaves its state untouched in the latter case. Callers decide what to do (evict,
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+
+# One write to the request table: (row, first position, KV slots), as a worker replays it.
+TableWrite = tuple[int, int, list[int]]
 
 
 class ReqToTokenPool:
@@ -23,6 +28,27 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self._free: list[int] = list(range(size))
+        # Tensor parallelism: every write, in order, until the next forward ships them to the other
+        # ranks' copies of the table (`take_writes` / `apply_writes`). None: not recorded.
+        self._journal: deque[TableWrite] | None = None
+
+    def record_writes(self) -> None:
+        """Keep every write from now on for `take_writes` (rank 0 of a tensor-parallel group)."""
+        self._journal = deque()
+
+    def take_writes(self) -> list[TableWrite]:
+        """The writes since the last call, oldest first. Safe against a concurrent `write` from the
+        scheduler's thread: each entry is taken once (deque.popleft), a later one waits for the
+        next call."""
+        journal, out = self._journal, []
+        while journal:
+            out.append(journal.popleft())
+        return out
+
+    def apply_writes(self, writes: list[TableWrite]) -> None:
+        """Replay rank 0's writes into this copy of the table (the other ranks)."""
+        for idx, start, slots in writes:
+            self.req_to_token[idx, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -40,6 +66,15 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         """Record that positions [start, start+len(slots)) of request row `idx` live in `slots`."""
         self.req_to_token[idx, start : start + len(slots)] = slots.to(torch.int32)
+        if self._journal is not None:
+            self._journal.append((idx, start, slots.tolist()))
+
+    def write_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """One slot per request: position `positions[i]` of row `rows[i]` lives in `slots[i]` (decode)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
+        if self._journal is not None:
+            for idx, pos, slot in zip(rows, positions, slots.tolist()):
+                self._journal.append((idx, pos, [slot]))
 
     def clear(self) -> None:
         self._free = list(range(self.size))

@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
         # fp32 whatever the model dtype; a plain attribute, not a buffer, so no cast ever reaches it
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
-        self.dtype = dtype
+        self.device, self.dtype = torch.device(device), dtype  # the model's: layers built beside it use them
         self.uses_cpu_kernel = head_dim % cpu_elementwise.ROTARY_HEAD_DIM_MULTIPLE == 0 and cpu_elementwise.available(
             device, dtype
         )

@@ -1,4 +1,9 @@
-"""The token embedding table (its weight doubles as the LM head's when the model ties them)."""
+"""The token embedding table (its weight doubles as the LM head's when the model ties them).
+
+Under tensor parallelism each rank holds `shard.vocab_rows` rows starting at `shard.vocab_start`
+(engine/distributed/sharding.py): a token outside the shard looks up zeros there, and the
+all-reduce over ranks leaves each token's one real row.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import TPGroup
+
 
 class VocabEmbedding(nn.Module):
     """`weight[input_ids]`: a fresh `[num_tokens, hidden]` tensor (the forward's residual stream)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+        vocab_start: int = 0,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype), False)
+        self.tp = tp if tp is not None else TPGroup.single()
+        self.vocab_start = vocab_start
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

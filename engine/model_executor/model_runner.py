@@ -14,13 +14,18 @@ runs (measured unless `q4_max_tokens` is given), and the decode CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
+from engine.distributed.parallel_state import TPGroup
+from engine.distributed.step_message import TPStep, encode
 from engine.errors import ModelLoadError
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
@@ -64,15 +69,21 @@ class GenerationBatchResult:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, source: ModelSource | None = None) -> None:
+    """`tp`: this process's place in a tensor-parallel group (engine/distributed/); rank 0 is the
+    runner the scheduler drives, ranks 1..N-1 run `run_worker_step` for each of its forwards.
+    Under tensor parallelism the int4 path and the decode CUDA graphs are off (neither is
+    sharded yet: the projections run dense, decode eagerly)."""
+
+    def __init__(self, args: ServerArgs, source: ModelSource | None = None, tp: TPGroup | None = None) -> None:
         self.args = args
         args.verify()
+        self.tp = tp if tp is not None else TPGroup.single()
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
         # Checked before anything is loaded: an unusable option is a typed error at start-up.
         check_attention_backend(args.attention_backend, self.device)
         self.cuda_graph_max_bs = resolve_cuda_graph_max_bs(args.cuda_graph_max_bs, args.max_running_requests)
-        q4_max_tokens = args.resolved_q4_max_tokens()
+        q4_max_tokens = args.resolved_q4_max_tokens() if self.tp.size == 1 else 0
         self.source = source or resolve_model(args.model_path)
         self.model_config = cfg = ModelConfig.from_hf(
             self.source.hf_config, self.source.architecture, self.source.generation_eos
@@ -81,10 +92,15 @@ class ModelRunner:
         self.attn_backend_name = resolve_attention_backend(
             args.attention_backend, self.device, self.dtype, cfg.head_dim
         )
-        self.use_cuda_graph = cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
+        self.use_cuda_graph = self.tp.size == 1 and cuda_graphs_apply(
+            self.device, self.attn_backend_name, args.disable_cuda_graph
+        )
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
+        self.shard = shard = self.model.shard
         self._init_memory()
-        layout = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        if self.tp.size > 1 and self.tp.is_driver:  # the other ranks replay its table writes
+            self.req_to_token_pool.record_writes()
+        layout = HeadLayout(shard.num_heads, shard.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
         # Cascade planning is host work on the slot table: CPU pools only (no device round trip).
         cascade = not args.disable_cascade_attention and self.device.type == "cpu"
         self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)
@@ -93,6 +109,35 @@ class ModelRunner:
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()
+        # Every rank's placement, weights and KV pool, known on every rank (start-up logs, state).
+        self.tp_ranks: list[dict[str, object]] = self.tp.all_gather_object(self.rank_info())
+        if self.tp.size > 1 and self.tp.is_driver:
+            for info in self.tp_ranks:
+                log.info("tensor-parallel %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights in the forms the forward reads: parameters, buffers and
+        the prepacked oneDNN / int4 forms the linears hold as plain attributes (each tensor once:
+        a tied LM head is the embedding)."""
+        tensors: dict[int, torch.Tensor] = {}
+        for module in self.model.modules():
+            values = [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]
+            for v in values:
+                parts = [getattr(v, f.name) for f in dataclasses.fields(v)] if dataclasses.is_dataclass(v) else [v]
+                tensors.update((id(t), t) for t in parts if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def rank_info(self) -> dict[str, object]:
+        """This rank's placement and memory, as start-up reports it."""
+        return {
+            "rank": self.tp.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": str(self.device),
+            "weight_bytes": self.weight_bytes(),
+            "kv_pool_tokens": self.token_to_kv_pool_allocator.size,
+            "kv_heads": self.shard.num_kv_heads,
+        }
 
     def _load_model(self, q4_max_tokens: int | None) -> tuple[LlamaForCausalLM, int]:
         """Build the model for this device and dtype, load it, and give each projection its form.
@@ -101,13 +146,14 @@ class ModelRunner:
         Returns the model and the int4 path's row bound in force (0: off).
         """
         cfg = self.model_config
-        model = MODEL_CLASSES[cfg.architecture](cfg, self.source.hf_config, self.device, self.dtype).eval()
+        model = MODEL_CLASSES[cfg.architecture](cfg, self.source.hf_config, self.device, self.dtype, self.tp).eval()
         want_q4 = q4_max_tokens != 0 and int4_kernel_available()
         try:
             if want_q4:  # the dense weights plus, for 4-bit GGUF layers, their blocks
                 q4 = model.load_weights(self.source.iter_weights_q4())
-            else:
-                q4 = model.load_weights((name, t, None) for name, t in self.source.iter_weights())
+            else:  # under tensor parallelism, this rank's slice of each weight only
+                select = model.shard.weight_slice if self.tp.size > 1 else None
+                q4 = model.load_weights((name, t, None) for name, t in self.source.iter_weights(select))
         except ModelLoadError:
             raise
         except Exception as e:  # a weight file that breaks in an unforeseen way still gets named
@@ -127,20 +173,24 @@ class ModelRunner:
 
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args
-        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_heads = self.shard.num_kv_heads  # this rank's (all of them at tp size 1)
+        per_token = KVCache.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # free memory = after the weights, not counting cached blocks
             # The pool is sized before the decode graphs are captured (they bake in its address, so
             # it cannot be resized after), leaving their estimated memory out of the budget.
             free_bytes = max(torch.cuda.mem_get_info(self.device)[0] - self._graph_memory_reserve(), 0)
         else:
-            free_bytes = psutil.virtual_memory().available
+            # The tensor-parallel ranks on this host share its memory: each budgets its part.
+            free_bytes = psutil.virtual_memory().available // self.tp.local_size
         mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.1
         size = kv_pool_size_from_budget(args.max_total_tokens, mem_fraction, per_token, args.page_size, free_bytes)
+        # Slots are allocated on rank 0 and name the same slot on every rank: one size for all.
+        size = min(self.tp.all_gather_object(size))
         args.check_pool(size - args.page_size, self.context_len)  # usable slots; before the buffers exist
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, args.page_size, self.device)
-        self.kv_cache = KVCache(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(size, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", self.token_to_kv_pool_allocator.size, size * per_token / 2**20)
 
     def _graph_memory_reserve(self) -> int:
@@ -185,28 +235,45 @@ class ModelRunner:
             batch, self.req_to_token_pool, self.kv_cache, self.attn_backend, self.last_token_ids
         )
 
-    def _run_forward(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, bool, ForwardBatch]:
+    def _run_forward(self, batch: ModelWorkerBatch, sampled: bool) -> tuple[torch.Tensor, bool, ForwardBatch]:
         """(logits, whether they are a view of the graph runner's static buffer, overwritten by the
         next replay, the ForwardBatch). Decode batches that fit replay a CUDA graph; everything
-        else runs eagerly."""
+        else runs eagerly. Under tensor parallelism the other ranks get the step first."""
+        if self.tp.size > 1:
+            self.tp.broadcast_bytes(encode(TPStep.of(batch, self.req_to_token_pool.take_writes(), sampled)))
         fb = self.init_forward_batch(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb), True, fb
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb), False, fb
+        logits = self.model(fb)
+        assert logits is not None  # rank 0 always gets the gathered logits
+        return logits, False, fb
 
     def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
         """Logits of one forward, in a tensor of their own (safe to keep across steps)."""
-        logits, shared, _ = self._run_forward(batch)
+        logits, shared, _ = self._run_forward(batch, sampled=False)
         return logits.clone() if shared else logits
 
     @torch.inference_mode()
+    def run_worker_step(self, step: TPStep) -> None:
+        """Ranks 1..N-1: rank 0's forward `step` on this shard (engine/distributed/worker.py)."""
+        self.req_to_token_pool.apply_writes(step.writes)
+        fb = self.init_forward_batch(step.worker_batch())
+        self.attn_backend.init_forward_metadata(fb)
+        self.model(fb)
+        if step.sampled:  # rank 0's sampled ids: an overlapped decode reads its inputs from them
+            ids = self.tp.broadcast_ids(torch.empty(fb.batch_size, dtype=torch.int64, device=self.device))
+            self.last_token_ids[fb.req_pool_indices] = ids
+
+    @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        logits, shared, fb = self._run_forward(batch)
+        logits, shared, fb = self._run_forward(batch, sampled=True)
         last_logits = logits
         if batch.return_prompt_logits and fb.extend_start_loc is not None and fb.extend_seq_lens is not None:
             last_logits = logits[fb.extend_start_loc + fb.extend_seq_lens - 1]
         out = self.sampler(last_logits, batch.sampling_info)
+        if self.tp.size > 1:
+            self.tp.broadcast_ids(out.next_token_ids)
         self.last_token_ids[fb.req_pool_indices] = out.next_token_ids
         kept = None
         if batch.return_prompt_logits:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.distributed.parallel_state import TPGroup
+from engine.distributed.sharding import TPShard
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
@@ -63,9 +65,9 @@ class QKNorm(nn.Module):
     """Qwen3's per-head RMSNorm of q and k, applied to the adjacent q|k heads as one slab with one
     `[H + KVH, D]` weight table (half the ops of normalising each; same per-element arithmetic)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.eps = shard.num_heads, shard.num_kv_heads, cfg.rms_norm_eps
         self.q_weight = _param(cfg.head_dim, device=device, dtype=dtype)
         self.k_weight = _param(cfg.head_dim, device=device, dtype=dtype)
         self.table = torch.empty(0)  # built once the weights are in (`process_weights_after_loading`)
@@ -80,17 +82,19 @@ class QKNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    """This rank's heads (all of them at tp size 1): q|k|v column-parallel, o row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
         super().__init__()
+        device, dtype = rotary_emb.device, rotary_emb.dtype
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
         sizes = (self.q_size, self.kv_size, self.kv_size)
         self.qkv_proj = DenseLinear(cfg.hidden_size, sizes, cfg.attention_bias, device, dtype)
         self.o_proj = DenseLinear(self.q_size, (cfg.hidden_size,), cfg.o_bias, device, dtype)
-        self.qk_norm = QKNorm(cfg, device, dtype) if cfg.qk_norm else None
+        self.qk_norm = QKNorm(cfg, shard, device, dtype) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -104,34 +108,36 @@ class LlamaAttention(nn.Module):
             qk = self.qk_norm(qk)
         qk = self.rotary_emb(qk, cos, sin)
         attn = fb.attn_backend.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, fb)
-        return self.o_proj(attn)
+        return self.tp.all_reduce(self.o_proj(attn))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """This rank's MLP columns: gate|up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, shard: TPShard, device: torch.device, dtype: torch.dtype):
         super().__init__()
-        inter = cfg.intermediate_size
+        self.tp = tp
+        inter = shard.intermediate_size
         self.gate_up_proj = DenseLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, device, dtype)
         self.down_proj = DenseLinear(inter, (cfg.hidden_size,), cfg.mlp_bias, device, dtype)
         self.act_fn = get_act_and_mul(cfg.hidden_act, inter, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
         super().__init__()
+        device, dtype = rotary_emb.device, rotary_emb.dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.mlp = LlamaMLP(cfg, tp, shard, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """`x` is this forward's own residual stream (the embedding output or a layer's sum): the
@@ -144,21 +150,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """The whole model at tp size 1; under tensor parallelism (`tp`), this rank's shard of it
+    (engine/distributed/sharding.py): every layer ends in an all-reduce, the logits are gathered."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hf_config: PretrainedConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        self.tp = tp if tp is not None else TPGroup.single()
+        self.shard = shard = TPShard.of(cfg, self.tp.rank, self.tp.size)
+        rows = shard.vocab_rows
+        self.embed_tokens = VocabEmbedding(rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start)
         self.rotary_emb = RotaryEmbedding(hf_config, cfg.head_dim, device, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary_emb, device, dtype) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, self.rotary_emb, self.tp, shard) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         tied = self.embed_tokens.weight if cfg.tie_word_embeddings else None
-        self.lm_head = DenseLinear(cfg.hidden_size, (cfg.vocab_size,), False, device, dtype, weight=tied)
+        self.lm_head = DenseLinear(cfg.hidden_size, (rows,), False, device, dtype, weight=tied)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] (last new token of each request), or [num_tokens, V] with prompt logits."""
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Logits [B, V] (last new token of each request), or [num_tokens, V] with prompt logits;
+        float32. Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb.cos_sin(fb.positions)
         for layer in self.layers:
@@ -166,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         if fb.forward_mode.is_extend() and not fb.return_prompt_logits:
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             x = x[fb.extend_start_loc + fb.extend_seq_lens - 1]
-        return self.lm_head(self.norm(x)).float()
+        return self.tp.gather_vocab(self.lm_head(self.norm(x)), self.cfg.vocab_size)
 
     @property
     def fused(self) -> bool:
@@ -187,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         q4_parts: dict[str, dict[int, Q4Blocks | None]] = {}
         packed: dict[str, PackedInt4Weight] = {}
         for name, tensor, blocks in weights:
+            if self.shard.zero_bias(name):
+                tensor = torch.zeros_like(tensor)
             if name in _GLOBAL_PARAMS:
                 self._copy(params[_GLOBAL_PARAMS[name]], tensor, name)
                 seen.add((_GLOBAL_PARAMS[name], 0))
@@ -255,8 +277,12 @@ class LlamaForCausalLM(nn.Module):
                 parts |= {(f"{module_name}.{kind}", s) for s in range(n)}
         return parts
 
-    @staticmethod
-    def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    def _copy(self, target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < target.shape[0]:
+            # the last vocabulary shard: the real rows, then zero rows (looked up by no token;
+            # their logits are cut off after the gather)
+            target.data[tensor.shape[0] :].zero_()
+            target = target.data[: tensor.shape[0]]
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.data.copy_(tensor)

@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,10 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
+# A tensor-parallel rank's part of a checkpoint tensor, by name: (dim, start, stop), None = all
+# of it (engine/distributed/sharding.py `TPShard.weight_slice`).
+WeightSelect = Callable[[str], tuple[int, int, int] | None]
+
 
 @dataclass
 class ModelSource:
@@ -69,20 +73,26 @@ class ModelSource:
         marker = self.gguf_file if self.gguf_file is not None else self.path
         return _load_tokenizer(str(self.path), self.gguf_file and str(self.gguf_file), marker.stat().st_mtime_ns)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, select: WeightSelect | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face parameter name, tensor) pairs one at a time.
 
         GGUF tensors come dequantized to float32; safetensors tensors keep their stored dtype (the
         caller casts). `lm_head.weight` is absent when the checkpoint ties it to the embedding.
+
+        `select` (tensor parallelism) names the slice of each tensor wanted: safetensors reads only
+        that slice from the file; a GGUF tensor is dequantized whole (its blocks run along the
+        rows) and cut at once, so one tensor at a time is ever held whole.
         """
         if self._gguf_index is not None:
             cfg = self.hf_config
             heads = cfg.num_attention_heads
             kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-            yield from iter_gguf_weights(self._gguf_index, heads, kv_heads)
+            for name, tensor in iter_gguf_weights(self._gguf_index, heads, kv_heads):
+                part = select(name) if select is not None else None
+                yield name, tensor if part is None else tensor.narrow(part[0], part[1], part[2] - part[1]).clone()
         else:
             for file in self.weight_files:
-                yield from _iter_safetensors(file)
+                yield from _iter_safetensors(file, select)
 
     def iter_weights_q4(self) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | None]]:
         """As `iter_weights`, each tensor with its 4-bit blocks when it is a Q4_0/Q4_1 decoder-layer
@@ -256,7 +266,7 @@ def _check_safetensors(file: Path) -> None:
         raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
 
 
-def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(file: Path, select: WeightSelect | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as e:
@@ -265,8 +275,14 @@ def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
             if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed
                 continue
+            part = select(name) if select is not None else None
             try:
-                tensor = f.get_tensor(name)
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:  # read this rank's slice only
+                    dim, start, stop = part
+                    index = (slice(None),) * dim + (slice(start, stop),)
+                    tensor = f.get_slice(name)[index]
             except Exception as e:
                 raise ModelLoadError(f"cannot read tensor {name} from {file}: {e}") from e
             yield name, tensor

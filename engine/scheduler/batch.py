@@ -301,10 +301,9 @@ class ScheduleBatch:
                     return False
                 parts.append(s)
             slots = torch.cat(parts)
-        pool = self.req_to_token_pool
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_committed_len for r in self.reqs], dtype=torch.int64)
-        pool.req_to_token[rows, cols] = slots.to(torch.int32)
+        self.req_to_token_pool.write_each(
+            [r.req_pool_idx for r in self.reqs], [r.kv_committed_len for r in self.reqs], slots
+        )
         for req in self.reqs:
             req.kv_committed_len += 1
         self.decode_inputs_on_device = inputs_on_device

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from server.router.errors import RouterError, no_healthy_worker
 from server.router.policy import Worker, routing_text
-from server.router.state import ROUTER, Router, RouterConfig
+from server.router.state import ROUTER, ExtraInfo, Router, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +182,24 @@ async def proxy(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while any worker is healthy ("degraded" when some are not), else 503."""
     router = request.app[ROUTER]
     if router.any_healthy() is None:
         return no_healthy_worker().response()
-    return web.json_response({"status": "ok", "healthy_workers": sum(w.healthy for w in router.workers)})
+    healthy, total = sum(w.healthy for w in router.workers), len(router.workers)
+    status = "ok" if healthy == total else "degraded"
+    return web.json_response({"status": status, "healthy_workers": healthy, "workers": total})
 
 
-async def models(request: web.Request) -> web.Response:
+async def first_healthy(request: web.Request) -> web.Response:
+    """GET the same path from the first healthy worker that answers (/v1/models, /get_model_info,
+    /health_generate: every replica serves the same model, and one that generates is enough)."""
     router = request.app[ROUTER]
     assert router.session is not None
     for worker in [w for w in router.workers if w.healthy]:
         try:
             async with router.session.get(
-                worker.url + "/v1/models", headers=_forward_headers(request, router), timeout=_INFO_TIMEOUT
+                worker.url + request.path, headers=_forward_headers(request, router), timeout=_INFO_TIMEOUT
             ) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (TimeoutError, aiohttp.ClientError, OSError):
@@ -245,26 +250,34 @@ async def server_info(request: web.Request) -> web.Response:
     infos = await asyncio.gather(*(_worker_info(router, w, headers) for w in router.workers))
     info = aggregate(router.workers, list(infos))
     info["load_balance_method"] = router.policy.name
+    if router.extra_info is not None:
+        info.update(router.extra_info(router))
     return web.json_response(info)
 
 
-async def flush_cache(request: web.Request) -> web.Response:
-    """POST /flush_cache to every healthy worker; success only if all of them succeeded."""
+async def broadcast(request: web.Request) -> web.Response:
+    """POST the same body to every healthy worker (/flush_cache; /abort_request, since only the
+    worker that holds a rid has it); success only if all of them succeeded."""
     router = request.app[ROUTER]
     assert router.session is not None
     headers = _forward_headers(request, router)
+    body = await request.read()
 
     async def one(worker: Worker) -> dict[str, Any]:
         if not worker.healthy:
             return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
         try:
-            async with router.session.post(worker.url + "/flush_cache", headers=headers, timeout=_INFO_TIMEOUT) as r:
+            async with router.session.post(
+                worker.url + request.path, data=body, headers=headers, timeout=_INFO_TIMEOUT
+            ) as r:
                 return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             return {"url": worker.url, "status": None, "success": False, "message": f"{type(e).__name__}: {e}"}
 
     results = await asyncio.gather(*(one(w) for w in router.workers))
     ok = any(r["success"] for r in results) and all(r["success"] or r["status"] is None for r in results)
+    if not ok and all(r["status"] == 400 for r in results if r["status"] is not None):
+        return web.Response(body=results[0]["body"], status=400, content_type="application/json")
     return web.json_response({"success": ok, "workers": results}, status=200 if ok else 502)
 
 
@@ -272,22 +285,29 @@ async def metrics(request: web.Request) -> web.Response:
     return request.app[ROUTER].metrics.render()
 
 
-def build_router_app(config: RouterConfig) -> web.Application:
-    """The router's application; its startup checks the workers once and starts the health loop."""
+def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) -> web.Application:
+    """The router's application; its startup checks the workers once and starts the health loop.
+
+    `extra_info(router)` adds keys to GET /get_server_info (the --dp-size front end's `dp` section).
+    """
     middlewares = [errors_middleware]
     if config.api_key:
         middlewares.append(_api_key_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     router = app[ROUTER] = Router(config)
+    router.extra_info = extra_info
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     for path in GENERATION_ROUTES:
         app.router.add_post(path, proxy)
     app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
+    for path in ("/v1/models", "/get_model_info", "/model_info", "/health_generate"):
+        app.router.add_get(path, first_healthy)
     app.router.add_get("/get_server_info", server_info)
-    app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get("/metrics", metrics)
+    for path in ("/flush_cache", "/abort_request"):
+        app.router.add_post(path, broadcast)
+    if config.enable_metrics:
+        app.router.add_get("/metrics", metrics)
     return app
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -38,6 +39,7 @@ class RouterConfig:
     health_check_interval: float = 1.0
     health_check_timeout: float = 2.0
     api_key: str | None = None
+    enable_metrics: bool = True  # GET /metrics (the --dp-size front end serves its own instead)
 
 
 class Router:
@@ -53,6 +55,7 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
+        self.extra_info: ExtraInfo | None = None  # more keys for GET /get_server_info
         self._health_task: asyncio.Task | None = None
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(0)
@@ -78,11 +81,28 @@ class Router:
 
     def set_health(self, worker: Worker, healthy: bool, why: str = "") -> None:
         if healthy != worker.healthy:
-            log.warning("worker %s is now %s%s", worker.url, "healthy" if healthy else "UNHEALTHY", why)
+            level = logging.INFO if healthy else logging.WARNING  # coming (back) up is routine
+            log.log(level, "worker %s is now %s%s", worker.url, "healthy" if healthy else "UNHEALTHY", why)
             if not healthy:
                 self.policy.forget(worker)  # its cache may be gone when it comes back
         worker.healthy = healthy
-        self.metrics.healthy.labels(worker.url).set(1 if healthy else 0)
+        if worker in self.workers:  # not one replaced while its check was in flight
+            self.metrics.healthy.labels(worker.url).set(1 if healthy else 0)
+
+    def replace_worker(self, index: int, url: str) -> Worker:
+        """Worker `index` now lives at `url` (a replica restarted elsewhere): it starts unhealthy,
+        with nothing cached, until a health check passes. Requests in flight at the old address
+        keep their own `Worker` object and end as they would have."""
+        old = self.workers[index]
+        self.policy.forget(old)
+        for gauge in (self.metrics.healthy, self.metrics.inflight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(old.url)
+        new = self.workers[index] = Worker(url.rstrip("/"), healthy=False)
+        self.metrics.healthy.labels(new.url).set(0)
+        self.metrics.inflight.labels(new.url).set(0)
+        log.warning("worker %d moved: %s -> %s", index, old.url, new.url)
+        return new
 
     async def check(self, worker: Worker) -> None:
         assert self.session is not None
@@ -120,5 +140,6 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
+ExtraInfo = Callable[[Router], dict[str, Any]]
 
-__all__ = ["PROXY_TIMEOUT", "ROUTER", "Router", "RouterConfig"]
+__all__ = ["PROXY_TIMEOUT", "ROUTER", "ExtraInfo", "Router", "RouterConfig"]

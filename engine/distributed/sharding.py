@@ -1,0 +1,116 @@
+"""Which part of each weight a tensor-parallel rank holds (Megatron's split, as SGLang does it).
+
+- Column-parallel (split the output rows): q/k/v and gate/up. Rank r holds query heads
+  `[r*H/N, (r+1)*H/N)` and the KV heads they read: `KVH/N` of them when `N` divides `KVH`, else
+  (fewer KV heads than ranks) one KV head replicated on `N/KVH` ranks.
+- Row-parallel (split the input columns): o and down. Each rank's partial products are summed by
+  an all-reduce; a bias is added once (rank 0 loads it, the others hold zeros).
+- Vocab-parallel: the embedding and the LM head hold `ceil(V/N)` vocabulary rows each (the last
+  shard padded with zero rows); the lookup is masked and all-reduced, the logits gathered.
+- Everything else (norms, q/k norms) is replicated.
+
+`weight_slice` tells the loader which slice of a checkpoint tensor to read, so a rank reads its
+shard only (safetensors `get_slice`) instead of loading every weight and cutting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidServerArgsError
+from engine.model_config import ModelConfig
+
+# (dim, start, stop): read `tensor.narrow(dim, start, stop - start)` of a checkpoint tensor
+Slice = tuple[int, int, int]
+
+_COLUMN_Q = ("self_attn.q_proj",)
+_COLUMN_KV = ("self_attn.k_proj", "self_attn.v_proj")
+_COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
+_ROW_ATTN = "self_attn.o_proj"
+_ROW_MLP = "mlp.down_proj"
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # our module paths inside a layer
+
+
+def check_tp_size(cfg: ModelConfig, size: int) -> None:
+    """Raise InvalidServerArgsError unless the model splits evenly over `size` ranks."""
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (a multiple or a divisor of the size is needed)")
+    if cfg.intermediate_size % size:
+        problems.append(f"an MLP width of {cfg.intermediate_size}")
+    if problems:
+        raise InvalidServerArgsError(f"tp_size {size} does not divide the model's {' and '.join(problems)}", "tp_size")
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank `rank` of `size`: its head, MLP and vocabulary ranges for one model."""
+
+    rank: int
+    size: int
+    head_dim: int
+    num_heads: int  # query heads on this rank
+    q_head_start: int
+    num_kv_heads: int  # KV heads on this rank (1 replicated head when KVH < size)
+    kv_head_start: int
+    intermediate_size: int  # MLP columns on this rank
+    vocab_size: int  # the whole vocabulary
+    vocab_rows: int  # rows of this rank's embedding / LM head shard (ceil(V / size), padded)
+    vocab_start: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPShard:
+        check_tp_size(cfg, size)
+        heads = cfg.num_heads // size
+        kv_heads = max(1, cfg.num_kv_heads // size)
+        rows = -(-cfg.vocab_size // size)
+        return cls(
+            rank=rank,
+            size=size,
+            head_dim=cfg.head_dim,
+            num_heads=heads,
+            q_head_start=rank * heads,
+            num_kv_heads=kv_heads,
+            kv_head_start=rank * cfg.num_kv_heads // size,
+            intermediate_size=cfg.intermediate_size // size,
+            vocab_size=cfg.vocab_size,
+            vocab_rows=rows,
+            vocab_start=rank * rows,
+        )
+
+    @property
+    def vocab_end(self) -> int:
+        """One past this rank's last real vocabulary row (the shard may be shorter than `vocab_rows`)."""
+        return min(self.vocab_size, self.vocab_start + self.vocab_rows)
+
+    def weight_slice(self, hf_name: str) -> Slice | None:
+        """The part of checkpoint tensor `hf_name` this rank holds; None = all of it."""
+        if self.size == 1:
+            return None
+        if hf_name in _VOCAB:
+            return 0, self.vocab_start, self.vocab_end
+        if not hf_name.startswith("model.layers."):
+            return None
+        module, _, kind = hf_name.split(".", 3)[3].rpartition(".")
+        d = self.head_dim
+        if module in _COLUMN_Q:
+            return 0, self.q_head_start * d, (self.q_head_start + self.num_heads) * d
+        if module in _COLUMN_KV:
+            return 0, self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d
+        if module in _COLUMN_MLP:
+            first = self.rank * self.intermediate_size
+            return 0, first, first + self.intermediate_size
+        if kind == "weight" and module == _ROW_ATTN:
+            return 1, self.q_head_start * d, (self.q_head_start + self.num_heads) * d
+        if kind == "weight" and module == _ROW_MLP:
+            first = self.rank * self.intermediate_size
+            return 1, first, first + self.intermediate_size
+        return None  # norms, and row-parallel biases (added once: see `zero_bias`)
+
+    def zero_bias(self, hf_name: str) -> bool:
+        """Whether this rank holds zeros for bias `hf_name`: a row-parallel bias is added by rank 0
+        only, so the all-reduced sum carries it once."""
+        return self.rank > 0 and hf_name.endswith(".bias") and any(f".{m}." in hf_name for m in (_ROW_ATTN, _ROW_MLP))

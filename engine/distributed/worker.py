@@ -1,0 +1,67 @@
+"""`python -m engine.distributed.worker`: one tensor-parallel rank other than 0.
+
+It builds the same `ModelRunner` as rank 0 (its shard of the weights, its share of each KV
+slot's heads) and then loops: receive a step from rank 0, run the same forward, take part in
+its collectives, keep the sampled ids. Any error ends the process with status 1: its peers'
+collectives then fail at once (closed sockets), which rank 0 turns into a dead engine, never a
+hang. Started by engine/distributed/launcher.py; not a user command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from engine.distributed.launcher import RENDEZVOUS_S
+from engine.distributed.parallel_state import TPGroup
+from engine.distributed.step_message import TPStop, decode
+from engine.model_executor.model_runner import ModelRunner
+from engine.server_args import ServerArgs
+
+log = logging.getLogger("engine.distributed.worker")
+
+
+def serve_steps(runner: ModelRunner) -> str:
+    """Run rank 0's steps until it says stop; why it stopped."""
+    while True:
+        msg = decode(runner.tp.broadcast_bytes(None))
+        if isinstance(msg, TPStop):
+            return msg.reason
+        runner.run_worker_step(msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.distributed.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--local-size", type=int, required=True)
+    p.add_argument("--options", required=True, help="the engine's ServerArgs as JSON")
+    ns = p.parse_args(argv)
+    args = ServerArgs(**json.loads(ns.options))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{ns.rank} %(name)s: %(message)s")
+    torch.set_num_threads(ns.threads)
+    device = args.resolved_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        tp = TPGroup.init(ns.rank, args.tp_size, ns.local_size, ns.init_method, device, RENDEZVOUS_S)
+        runner = ModelRunner(args, tp=tp)
+        reason = serve_steps(runner)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed; leaving the group", ns.rank)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter teardown: a half-torn gloo group must not block the exit
+    log.info("tensor-parallel rank %d stopping: %s", ns.rank, reason)
+    tp.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The --dp-size front end: the standalone router's application (`server/router/`) over the
+replicas, so both speak the same API and route the same way, plus what only a controller knows.
+
+- Routing: `--load-balance-method` picks the router's policy; the router's health checks take a
+  replica out while it is down and put it back once its /health answers. The supervisor also
+  tells the router at once when a replica exits (no wait for a failed check) and where a restarted
+  one now listens (it gets a fresh port, or under Ray maybe another node).
+- Auth: `--api-key` is checked by the front end and forwarded to the replicas, which were given
+  the same key (their command line keeps it).
+- GET /get_server_info: the router's aggregate plus `dp`: one entry per replica (index, url, pid,
+  healthy, restarts, its resources).
+- GET /metrics: only with --enable-metrics, as a single server (then the replicas have theirs
+  too): the router's metrics and every replica's, labelled by `dp_rank` (`server/dp/metrics.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from server.config import ServerConfig
+from server.dp.metrics import metrics_handler
+from server.dp.replica import Replica
+from server.dp.supervisor import Supervisor
+from server.router.app import build_router_app
+from server.router.state import ROUTER, Router, RouterConfig
+
+
+def router_config(config: ServerConfig, urls: Sequence[str]) -> RouterConfig:
+    return RouterConfig(
+        worker_urls=list(urls),
+        policy=config.load_balance_method,
+        api_key=config.api_key,
+        enable_metrics=False,  # the front end serves its own /metrics, and only when enabled
+    )
+
+
+def dp_section(replicas: Sequence[Replica], router: Router, placement: str) -> dict[str, Any]:
+    entries = []
+    for replica, worker in zip(replicas, router.workers, strict=True):
+        entries.append({**replica.describe(), "healthy": worker.healthy and worker.url == replica.url})
+    return {"dp": {"size": len(replicas), "placement": placement, "replicas": entries}}
+
+
+def build_frontend(config: ServerConfig, supervisor: Supervisor, placement: str) -> web.Application:
+    """The router app over the supervisor's replicas (all started: their URLs are known)."""
+    replicas = supervisor.replicas
+    urls = [r.url for r in replicas]
+    assert all(urls), "every replica must be started before the front end is built"
+    app = build_router_app(
+        router_config(config, [u for u in urls if u]),
+        extra_info=lambda router: dp_section(replicas, router, placement),
+    )
+    if config.enable_metrics:
+        app.router.add_get("/metrics", metrics_handler)
+    router = app[ROUTER]
+
+    def on_down(replica: Replica, why: str) -> None:
+        router.set_health(router.workers[replica.index], False, f" (replica {replica.index} {why})")
+
+    async def on_up(replica: Replica) -> None:
+        worker = router.workers[replica.index]
+        if replica.url is not None and worker.url != replica.url:
+            worker = router.replace_worker(replica.index, replica.url)
+        if router.session is not None:
+            await router.check(worker)  # back in routing now, not at the next health round
+
+    supervisor.on_down, supervisor.on_up = on_down, on_up
+    return app
+
+
+__all__ = ["build_frontend", "dp_section", "router_config"]

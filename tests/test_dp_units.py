@@ -1,0 +1,272 @@
+"""Data parallelism without a model (server/dp/): the replica command line rewritten from argv,
+the resource split, the start-up failure report, and the front end's supervision, health and
+/metrics over fake in-process replicas (tiny aiohttp apps that crash and come back on new ports).
+The real processes are in tests/test_dp.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.config import ServerConfig
+from server.dp.controller import check_listen, report_start_failure
+from server.dp.frontend import build_frontend
+from server.dp.process import MARKER, ReplicaStartError, ServerProcess
+from server.dp.replica import Replica
+from server.dp.replica_args import ReplicaArgsError, replica_argv, split_options
+from server.dp.resources import Machine, ReplicaPlan, ResourceError, plan_replicas
+from server.dp.supervisor import Supervisor, backoff
+from tests.dp_helpers import poll, serving
+from tests.server_helpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT = aiohttp.ClientTimeout(total=20)
+
+# --- (d) the replica command line and the resource split, pure ---------------------------------
+
+
+def test_replica_argv_drops_the_controller_flags_in_every_spelling():
+    argv = ["--dp", "2", "--model-path=/m", "--chunked-prefill-size", "-1", "--enable-metrics", "--host", "0.0.0.0"]
+    argv += ["--port=8000", "--load-balance-method", "round_robin", "--ray-address", "auto", "--api-key", "k"]
+    assert [dest for dest, _ in split_options(argv)] == [
+        "dp_size",
+        "model_path",
+        "chunked_prefill_size",
+        "enable_metrics",
+        "host",
+        "port",
+        "load_balance_method",
+        "ray_address",
+        "api_key",
+    ]
+    out = replica_argv(argv, {}, "127.0.0.1", 1234)
+    assert out == ["--model-path=/m", "--chunked-prefill-size", "-1", "--enable-metrics", "--api-key", "k"] + [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1234",
+    ]
+
+
+def test_replica_argv_overrides_replace_the_users_values():
+    argv = ["--torch-threads", "8", "--mem-fraction-static=0.4", "--device", "cuda", "--dp-size", "2"]
+    out = replica_argv(argv, {"torch_threads": "2", "mem_fraction_static": "0.2", "device": "cuda:1"}, "h", 1)
+    assert out == ["--host", "h", "--port", "1", "--torch-threads", "2", "--mem-fraction-static", "0.2"] + [
+        "--device",
+        "cuda:1",
+    ]
+    dropped = replica_argv(argv, {"device": None}, "h", 1)  # None: the user's value goes, none is set
+    assert dropped == ["--torch-threads", "8", "--mem-fraction-static=0.4", "--host", "h", "--port", "1"]
+
+
+def test_replica_argv_refuses_a_value_the_cli_would_refuse():
+    with pytest.raises(ReplicaArgsError):
+        replica_argv(["--dp-size", "2"], {"device": "gpu"}, "127.0.0.1", 1)
+
+
+def test_cpu_split_threads_and_kv_fraction():
+    machine = Machine(cpu_threads=8)
+    plans = plan_replicas(2, {}, machine)
+    assert [(p.torch_threads, p.mem_fraction_static, p.device) for p in plans] == [(4, 0.05, None)] * 2
+    assert plans[1].overrides() == {"torch_threads": "4", "mem_fraction_static": "0.05"}
+    assert plans[0].bundle == {"CPU": 4.0}
+    assert plan_replicas(3, {}, Machine(cpu_threads=2))[0].torch_threads == 1  # never 0
+    user = plan_replicas(4, {"torch_threads": 3, "mem_fraction_static": 0.4}, machine)[0]
+    assert (user.torch_threads, user.mem_fraction_static) == (3, pytest.approx(0.1))
+    tokens = plan_replicas(2, {"max_total_tokens": 4096}, machine)[0]
+    assert tokens.mem_fraction_static is None and "mem_fraction_static" not in tokens.overrides()
+    assert plan_replicas(2, {"device": "auto"}, machine)[0].torch_threads == 4  # auto without GPUs: the CPU
+    tp = plan_replicas(2, {"tp_size": 2}, machine)[0]  # 2 replicas x 2 ranks share the 8 threads
+    assert (tp.torch_threads, tp.bundle) == (2, {"CPU": 4.0})
+
+
+def test_cuda_split_devices():
+    machine = Machine(cpu_threads=8, gpus=("0", "1", "2", "3"))
+    plans = plan_replicas(2, {"mem_fraction_static": 0.8}, machine)  # auto with GPUs
+    assert [p.device for p in plans] == ["cuda:0", "cuda:1"]
+    assert all(p.mem_fraction_static is None and p.torch_threads is None for p in plans)  # full fraction
+    tp = plan_replicas(2, {"device": "cuda", "tp_size": 2}, Machine(8, ("4", "5", "6", "7")))
+    assert [(p.device, dict(p.env)) for p in tp] == [
+        ("cuda", {"CUDA_VISIBLE_DEVICES": "4,5"}),
+        ("cuda", {"CUDA_VISIBLE_DEVICES": "6,7"}),
+    ]
+    with pytest.raises(ResourceError, match="needs 6 GPUs, 4 visible"):
+        plan_replicas(3, {"tp_size": 2}, machine)
+    shared = plan_replicas(2, {"device": "cuda:1"}, machine)  # one GPU named: shared like a CPU
+    assert [(p.device, p.mem_fraction_static) for p in shared] == [(None, 0.05)] * 2
+    ray = plan_replicas(2, {"tp_size": 2}, machine, ray=True)
+    assert [(p.device, dict(p.bundle)) for p in ray] == [("cuda", {"CPU": 1.0, "GPU": 2.0})] * 2
+
+
+def test_multi_node_tensor_parallel_replicas_are_refused():
+    for options in ({"nnodes": 2}, {"dist_init_addr": "10.0.0.1:5000"}):
+        with pytest.raises(ResourceError, match="not supported"):
+            plan_replicas(2, {"tp_size": 2, **options}, Machine(cpu_threads=8))
+    assert len(plan_replicas(2, {"tp_size": 2, "nnodes": 1}, Machine(cpu_threads=8))) == 2
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [backoff(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_start_failure_report_and_busy_port(capsys):
+    class Quiet(Replica):
+        def log_tail(self) -> str:
+            return f"tail of replica {self.index}"
+
+    replicas = [Quiet(ReplicaPlan(0)), Quiet(ReplicaPlan(1))]
+    err = ReplicaStartError(1, "exited with status 2 during start-up", "max_total_tokens must be ...", "its tail", 2)
+    assert report_start_failure(err, replicas) == 2  # a usage error stays one
+    text = capsys.readouterr().err
+    assert text.startswith("error: replica 1 exited with status 2 during start-up: max_total_tokens must be")
+    assert "tail of replica 0" in text and "its tail" in text
+    with contextlib.closing(socket.create_server(("127.0.0.1", 0))) as busy:
+        assert "cannot listen" in (check_listen("127.0.0.1", busy.getsockname()[1]) or "")
+
+
+async def test_server_process_exit_stop_and_log(tmp_path):
+    """A replica process's end is seen at once (pidfd), SIGTERM is escalated to SIGKILL after the
+    timeout, and the start-up error line is read from this launch's part of the log only."""
+    proc = ServerProcess(0, tmp_path / "r.log")
+    proc.proc = subprocess.Popen(["sleep", "0.2"])
+    assert await asyncio.wait_for(proc.wait_exit(), 5) == 0
+    proc.proc = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 30"])
+    await asyncio.sleep(0.2)  # the trap is set
+    t0 = time.monotonic()
+    assert await proc.stop(0.3) == -9 and time.monotonic() - t0 < 5
+    old = f"{MARKER} 1\nerror: old failure\n"
+    proc.log_path.write_text(old + f"{MARKER} 2\nloading\nerror: model path does not exist: /x\n")
+    proc.log_offset = len(old)
+    assert proc.error_line() == "model path does not exist: /x"
+    assert "old failure" not in proc.log_tail()
+
+
+# --- the front end and the supervisor over fake replicas, in process -------------------------
+
+
+class FakeReplica(Replica):
+    """A tiny aiohttp server standing in for a replica: /health, /v1/completions (says which
+    replica answered), /metrics; a new port at every start; `crash()` ends it as a kill would."""
+
+    def __init__(self, index: int, failing_starts: int = 0) -> None:
+        super().__init__(ReplicaPlan(index, torch_threads=1))
+        self.failing_starts = failing_starts
+        self.address: str | None = None
+        self.runner: web.AppRunner | None = None
+        self.gone = asyncio.Event()
+
+    @property
+    def url(self) -> str | None:
+        return self.address
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    async def start(self, timeout: float) -> None:
+        if self.failing_starts:
+            self.failing_starts -= 1
+            raise ReplicaStartError(self.index, "exited with status 1 during start-up", "bad", "", 1)
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.json_response({}))
+        app.router.add_post("/v1/completions", lambda r: web.json_response({"replica": self.index}))
+        app.router.add_get("/metrics", lambda r: web.Response(text=f"# TYPE up gauge\nup {self.index + 1}\n"))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.address, self.gone = f"http://127.0.0.1:{port}", asyncio.Event()
+
+    async def wait_exit(self) -> int:
+        await self.gone.wait()
+        return -9
+
+    async def crash(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+        self.gone.set()
+
+    async def stop(self, timeout: float) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        self.gone.set()
+
+
+async def test_frontend_restarts_a_crashed_replica_at_its_new_address(monkeypatch):
+    monkeypatch.setattr("server.dp.supervisor.BACKOFF_S", 0.05)
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
+    await supervisor.start_all()
+    config = ServerConfig(load_balance_method="round_robin", enable_metrics=True)
+    app = build_frontend(config, supervisor, "local")
+    try:
+        async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            supervisor.watch()
+
+            async def health() -> dict:
+                async with s.get(url + "/health") as r:
+                    return await r.json()
+
+            async def dp() -> dict:
+                async with s.get(url + "/get_server_info") as r:
+                    return (await r.json())["dp"]
+
+            assert (await health())["status"] == "ok"
+            async with s.get(url + "/metrics") as r:
+                families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+            assert {(x.labels["dp_rank"], x.value) for x in families["up"].samples} == {("0", 1.0), ("1", 2.0)}
+            assert "sgl_router_worker_healthy" in families
+
+            old = replicas[1].url
+            replicas[1].failing_starts = 1  # the first restart fails too: it is retried
+            await replicas[1].crash()
+            assert await poll(lambda: _degraded(health)) == {"status": "degraded", "healthy_workers": 1, "workers": 2}
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert (await r.json()) == {"replica": 0}  # routed around the dead one
+            entry = await poll(lambda: _entry_when(dp, 1, lambda e: e["healthy"]))
+            assert entry["restarts"] == 2 and entry["url"] != old and entry["last_exit_status"] == 1
+            assert (await health())["status"] == "ok"
+            seen = set()
+            for _ in range(4):
+                async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                    seen.add((await r.json())["replica"])
+            assert seen == {0, 1}
+    finally:
+        await supervisor.stop_all()
+
+
+async def _degraded(health) -> dict | None:
+    body = await health()
+    return body if body["status"] == "degraded" else None
+
+
+async def _entry_when(dp, index: int, pred) -> dict | None:
+    entry = (await dp())["replicas"][index]
+    return entry if pred(entry) else None
+
+
+async def test_start_all_raises_the_first_failure_and_metrics_need_the_flag():
+    replicas = [FakeReplica(0), FakeReplica(1, failing_starts=1)]
+    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
+    with pytest.raises(ReplicaStartError, match="replica 1 exited with status 1"):
+        await supervisor.start_all()
+    await supervisor.stop_all()
+    assert replicas[0].gone.is_set()  # stopped even though it had started
+    replicas = [FakeReplica(0)]
+    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
+    await supervisor.start_all()
+    try:
+        async with serving(build_frontend(ServerConfig(), supervisor, "local")) as url:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/metrics") as r:
+                assert r.status == 404  # like a single server without --enable-metrics
+    finally:
+        await supervisor.stop_all()
