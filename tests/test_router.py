@@ -6,6 +6,7 @@ worker where round robin spreads it, and a worker killed mid-stream and restarte
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -408,3 +409,30 @@ def test_killed_worker_is_routed_around_and_rejoins(workers, model, tmp_path):
         assert used == {w.url for w in workers}
     finally:
         r.stop()
+
+
+async def test_websocket_generations_through_the_router(router):
+    """The server's /ws protocol through the router: concurrent ids (one with n=2), a cancel that
+    reaches the worker running that id, a bad frame answered by a worker, each id's finals."""
+    finals: dict[str, list[dict]] = {}
+    async with aiohttp.ClientSession() as s, s.ws_connect(router.url + "/ws") as ws:
+        params = {"temperature": 0, "max_new_tokens": 4}
+        await ws.send_json({"type": "generate", "id": "a", "text": "Hello", "sampling_params": params})
+        await ws.send_json({"type": "generate", "id": "b", "text": "Bye", "sampling_params": {**params, "n": 2}})
+        long = {"temperature": 0, "max_new_tokens": 4000, "ignore_eos": True}
+        await ws.send_json({"type": "generate", "id": "c", "text": "Long", "sampling_params": long})
+        await ws.send_str("{not json")
+        errors, cancelled = [], False
+        async with asyncio.timeout(120):
+            while sum(map(len, finals.values())) < 4:
+                msg = await ws.receive_json()
+                if msg["type"] == "error":
+                    errors.append(msg)
+                elif msg["id"] == "c" and not cancelled:
+                    await ws.send_json({"type": "cancel", "id": "c"})
+                    cancelled = True
+                if msg["type"] == "delta" and msg.get("finish_reason"):
+                    finals.setdefault(msg["id"], []).append(msg)
+    assert [e["id"] for e in errors] == [None] and errors[0]["error"]["code"] == "invalid_json"
+    assert len(finals["a"]) == 1 and len(finals["b"]) == 2
+    assert finals["c"][0]["finish_reason"]["type"] == "abort"

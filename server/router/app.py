@@ -26,6 +26,7 @@ from aiohttp import web
 from server.router.errors import RouterError, no_healthy_worker
 from server.router.policy import Worker, routing_text
 from server.router.state import ROUTER, ExtraInfo, Router, RouterConfig
+from server.router.ws_relay import ws_handler
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,7 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
     for path in GENERATION_ROUTES:
         app.router.add_post(path, proxy)
     app.router.add_get("/health", health)
+    app.router.add_get("/ws", ws_handler)
     for path in ("/v1/models", "/get_model_info", "/model_info", "/health_generate"):
         app.router.add_get(path, first_healthy)
     app.router.add_get("/get_server_info", server_info)
