@@ -19,6 +19,7 @@ ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 # The smallest KV pool that can serve one real request: a chat-templated prompt and an answer.
 MIN_POOL_TOKENS = 256
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
+SPECULATIVE_ALGORITHMS = (None, "NGRAM")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 _DTYPES = {
@@ -98,6 +99,11 @@ class ServerArgs:
     # others run a worker loop. One host: the engine spawns them. Several hosts (SGLang's flags):
     # nnodes hosts, this one is node_rank, rendezvous at dist_init_addr ("HOST:PORT" of node 0).
     tp_size: int = 1
+    # Speculative decoding (engine/speculative/, SGLang's flags): "NGRAM" drafts up to
+    # speculative_num_draft_tokens tokens per running greedy request from its own prompt and
+    # output, verified in one forward; None: off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -116,13 +122,24 @@ class ServerArgs:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "nnodes"):
+        for name in (
+            "max_running_requests",
+            "max_prefill_tokens",
+            "page_size",
+            "tp_size",
+            "nnodes",
+            "speculative_num_draft_tokens",
+        ):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 fail(name, "an integer >= 1")
         for name in ("context_length", "max_total_tokens", "torch_threads", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 fail(name, "an integer >= 1")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            fail("speculative_algorithm", "NGRAM or None (off)")
+        if self.speculative_algorithm is not None and self.page_size != 1:
+            fail("page_size", "1 with speculative decoding (drafts are verified slot by slot)")
         if not (is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes):
             fail("node_rank", f"an integer in [0, nnodes={self.nnodes})")
         size = self.flight_recorder_size

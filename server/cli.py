@@ -236,6 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         help="seconds a request's grammar may take to compile before the request fails with a 400 (default: 30)",
     )
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-algorithm",
+        choices=["NGRAM"],
+        help="NGRAM: each greedy request drafts tokens from its own prompt and output (prompt lookup) and the "
+        "model verifies them in one forward; output unchanged, fewer forwards when text repeats (default: off)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=positive_int,
+        help="most tokens drafted per request and step (adapted down per request by its acceptance; default: 4)",
+    )
     g = p.add_argument_group("scale-out")
     g.add_argument(
         "--tp-size",
@@ -291,6 +303,8 @@ _ENGINE_OPTIONS = (
     "flight_recorder_size",
     "flight_recorder_dir",
     "tp_size",
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
     "nnodes",
     "node_rank",
     "dist_init_addr",

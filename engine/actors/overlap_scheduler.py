@@ -57,7 +57,8 @@ from engine.recorder.events import describe_batch, describe_budget, describe_out
 from engine.recorder.ring import FlightRecorder
 from engine.scheduler.batch import FinishReason, Req
 from engine.scheduler.internal_state import check_internal_state, scheduler_state
-from engine.scheduler.scheduler import LaunchedBatch, MemoryLeakError, Scheduler
+from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
+from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.step import TimedResult, run_batch
 from engine.scheduler.waiting_queue import PrefillPlan
 
@@ -223,7 +224,8 @@ class OverlapScheduler(Actor):
         """Batch `step`'s result: tokens, finishes and frees, then the output."""
         out = self.sched.process_batch_result(lb, result)
         if self.recorder is not None:
-            self.recorder.result(step, result.next_token_ids_list(), forward_s, describe_out(out))
+            ids = result.next_token_ids_list()
+            self.recorder.result(step, ids, forward_s, describe_out(out), result.accept_lens)
         self._emit(out)
 
     def fail_step(self, step: int, lb: LaunchedBatch, error: BaseException) -> None:

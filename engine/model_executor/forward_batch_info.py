@@ -30,9 +30,20 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2  # one new token per request
     MIXED = 3  # extend chunk(s) and decodes in one forward
     IDLE = 4  # nothing to run
+    # Speculative decoding: each running request's last token and its drafts, an extend over its
+    # KV whose logits are kept at every position (engine/speculative/verify.py)
+    TARGET_VERIFY = 5
 
     def is_extend(self) -> bool:
+        """Runs as an extend (new tokens over cached KV): the attention and position logic."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_prefill(self) -> bool:
+        """Computes some request's prompt (the scheduler caches it and merges the batch)."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

@@ -44,6 +44,7 @@ from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
 from engine.server_args import ServerArgs
+from engine.speculative.verify import accept_drafts
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class GenerationBatchResult:
     logits: torch.Tensor | None = None  # only when prompt logits were requested
     # CUDA: next_token_ids on their way to pinned host memory (non-blocking copy + event).
     next_token_ids_host: DeviceToHost | None = None
+    # TARGET_VERIFY: drafts accepted per request; next_token_ids is then each one's next token
+    # after them (engine/speculative/verify.py)
+    accept_lens: list[int] | None = None
 
     _host_ids: list[int] | None = field(default=None, repr=False)  # next_token_ids_list, once read
 
@@ -268,14 +272,26 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         logits, shared, fb = self._run_forward(batch, sampled=True)
+        verify = batch.forward_mode.is_verify()
         last_logits = logits
-        if batch.return_prompt_logits and fb.extend_start_loc is not None and fb.extend_seq_lens is not None:
+        if (
+            (batch.return_prompt_logits or verify)
+            and fb.extend_start_loc is not None
+            and fb.extend_seq_lens is not None
+        ):
             last_logits = logits[fb.extend_start_loc + fb.extend_seq_lens - 1]
         out = self.sampler(last_logits, batch.sampling_info)
+        next_ids, accepted = out.next_token_ids, None
+        if verify:  # greedy acceptance of the drafts; requests without drafts keep the sampler's pick
+            assert batch.input_ids is not None
+            ids, accepted = accept_drafts(
+                batch.input_ids.tolist(), batch.extend_seq_lens, logits.argmax(-1).tolist(), next_ids.tolist()
+            )
+            next_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         if self.tp.size > 1:
-            self.tp.broadcast_ids(out.next_token_ids)
-        self.last_token_ids[fb.req_pool_indices] = out.next_token_ids
+            self.tp.broadcast_ids(next_ids)
+        self.last_token_ids[fb.req_pool_indices] = next_ids
         kept = None
         if batch.return_prompt_logits:
             kept = logits.clone() if shared else logits
-        return GenerationBatchResult(out.next_token_ids, out, kept, DeviceToHost.start(out.next_token_ids))
+        return GenerationBatchResult(next_ids, out, kept, DeviceToHost.start(next_ids), accept_lens=accepted)

@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(fb.positions)
         for layer in self.layers:
             x = layer(x, cos, sin, fb)
-        if fb.forward_mode.is_extend() and not fb.return_prompt_logits:
+        if fb.forward_mode.is_prefill() and not fb.return_prompt_logits:  # verify keeps every row
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             x = x[fb.extend_start_loc + fb.extend_seq_lens - 1]
         return self.tp.gather_vocab(self.lm_head(self.norm(x)), self.cfg.vocab_size)

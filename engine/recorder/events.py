@@ -196,6 +196,7 @@ class ResultEvent(msgspec.Struct, frozen=True, tag="result", array_like=True):
     token_ids: list[int]  # sampled, one per request of the batch, in batch order
     forward_s: float
     out: OutRec
+    accepted: list[int] | None = None  # TARGET_VERIFY: drafts accepted per request
 
 
 class FailEvent(msgspec.Struct, frozen=True, tag="fail", array_like=True):

@@ -62,7 +62,8 @@ from engine.recorder.events import (
 )
 from engine.recorder.ring import FlightRecorder, load_dump
 from engine.sampling import SamplerOutput
-from engine.scheduler.scheduler import LaunchedBatch, Scheduler
+from engine.scheduler.launched import LaunchedBatch
+from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,9 @@ class Replayer:
             elif len(event.token_ids) != len(lb.reqs):
                 return "the recorded tokens do not fit the replayed batch", event, [r.rid for r in lb.reqs]
             else:
-                self.actor.complete_step(event.step, lb, _stand_in_result(event.token_ids), event.forward_s)
+                self.actor.complete_step(
+                    event.step, lb, _stand_in_result(event.token_ids, event.accepted), event.forward_s
+                )
         # PlanEvent: produced while handling the PlanPrefillReq before it
         return self._compare(event)
 
@@ -293,10 +296,10 @@ class Replayer:
         return msgspec.structs.replace(msg, grammar=self._grammars.compile(*spec))
 
 
-def _stand_in_result(token_ids: list[int]) -> GenerationBatchResult:
-    """The stand-in model: the recorded tokens, as a forward's result."""
+def _stand_in_result(token_ids: list[int], accepted: list[int] | None = None) -> GenerationBatchResult:
+    """The stand-in model: the recorded tokens (and accepted drafts), as a forward's result."""
     ids = torch.tensor(token_ids, dtype=torch.int64)
-    return GenerationBatchResult(ids, SamplerOutput(ids))
+    return GenerationBatchResult(ids, SamplerOutput(ids), accept_lens=accepted)
 
 
 def _strip(event: msgspec.Struct) -> msgspec.Struct:

@@ -67,6 +67,7 @@ class Req:
         "rid",
         "sampling_params",
         "seed",
+        "spec",
         "stop_token_ids",
         "top_logprobs_num",
     )
@@ -111,6 +112,7 @@ class Req:
         self.epoch = 0
         self.queued_at = time.perf_counter()  # created as it enters the waiting queue
         self.queue_time: float | None = None  # until its first prefill is placed (SGLang's queue time)
+        self.spec: Any = None  # speculative decoding's per-request state (engine/scheduler/speculation.py)
 
     @property
     def seqlen(self) -> int:
@@ -205,6 +207,7 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)
     decode_inputs_on_device: bool = False  # overlap: decode input ids come from the device buffer
     mixed_decode_rows: int = 0  # MIXED: the last rows are running requests decoding one token
+    spec_drafts: list[list[int]] = field(default_factory=list)  # TARGET_VERIFY: each request's drafts
 
     @classmethod
     def init_new(
@@ -318,6 +321,29 @@ class ScheduleBatch:
         self.out_cache_loc = slots
         self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
         self.prefix_lens, self.extend_lens = [], []
+        self._set_index_tensors()
+        return True
+
+    def prepare_for_verify(self, drafts: list[list[int]]) -> bool:
+        """Speculative decoding: KV slots for each request's last token and its `drafts`, all or
+        nothing (page size 1). The forward writes them all; the scheduler frees the rejected ones
+        once it knows (engine/scheduler/speculation.py)."""
+        slots = self.token_to_kv_pool_allocator.alloc(sum(len(d) + 1 for d in drafts))
+        if slots is None:
+            return False
+        self.forward_mode, self.spec_drafts = ForwardMode.TARGET_VERIFY, drafts
+        self.prefix_lens = [r.kv_committed_len for r in self.reqs]
+        self.extend_lens = [len(d) + 1 for d in drafts]
+        input_ids: list[int] = []
+        first = 0
+        for req, draft, n in zip(self.reqs, drafts, self.extend_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_committed_len, slots[first : first + n])
+            req.kv_committed_len += n
+            first += n
+            input_ids += [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1], *draft]
+        self.seq_lens_cpu = [r.kv_committed_len for r in self.reqs]
+        self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        self.out_cache_loc = slots
         self._set_index_tensors()
         return True
 

@@ -54,4 +54,6 @@ def scheduler_state(sched: Scheduler) -> dict[str, Any]:
         "grammar_mask_apply_s": sched.grammar_mask_apply_s,
         "page_size": sched.page_size,
         "radix_cache": not sched.args.disable_radix_cache,
+        # n-gram speculative decoding: verify forwards, drafted and accepted tokens (None: off)
+        "speculative": sched.speculation.stats() if sched.speculation is not None else None,
     }

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -36,9 +35,9 @@ from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
 from engine.constrained import CompiledGrammar
 from engine.host_memory import trim_host_memory
-from engine.model_executor.forward_batch_info import ForwardMode
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
+from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
 from engine.scheduler.output import BatchTokenOut
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
 from engine.scheduler.retraction import (
@@ -49,34 +48,11 @@ from engine.scheduler.retraction import (
     decode_need,
     retract_ratio,
 )
+from engine.scheduler.speculation import Speculation
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan, PrefillPlanner
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
-
-
-class MemoryLeakError(RuntimeError):
-    """`check_memory` found KV slots or request rows unaccounted for while idle."""
-
-
-@dataclass
-class LaunchedBatch:
-    """A batch handed to the device, with what result processing must know about it."""
-
-    batch: ScheduleBatch
-    reqs: list[Req]
-    epochs: list[int]
-    kv_lens: list[int]  # each request's committed KV length with this forward: computed once it completes
-    mode: ForwardMode
-    mid_chunk: list[bool]  # this forward computed a non-final chunk of that request's prompt
-    num_extend: int  # leading rows that prefill (all for EXTEND, none for DECODE; MIXED: the rest decode)
-    launched_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def needs_sync(self) -> bool:
-        """Some request in it needs this batch's token on the host before its next batch is
-        built (`Req.needs_sync`): process this result before planning the next batch."""
-        return any(r.needs_sync() for r in self.reqs)
 
 
 class Scheduler:
@@ -93,6 +69,8 @@ class Scheduler:
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.max_running_requests = min(args.max_running_requests, self.req_to_token_pool.size)
         self.running_batch: ScheduleBatch = self._new_batch([])
+        spec = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+        self.speculation = Speculation(spec, self.req_to_token_pool, self.allocator) if spec else None
         self.chunked_req: Req | None = None
         self.last_batch: LaunchedBatch | None = None  # last launched extend, merged next round
         self.reqs_by_rid: dict[str, Req] = {}  # every request this scheduler holds
@@ -303,9 +281,20 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if batch.is_empty():
             return None
+        if self.speculation is not None and self._verify(batch):
+            return batch
         if not batch.prepare_for_decode(inputs_on_device=True):
             return None  # cannot happen after the checks above; be safe rather than crash
         return batch
+
+    def _verify(self, batch: ScheduleBatch) -> bool:
+        """Make `batch` a verify forward of this round's drafts, if any and if they fit."""
+        assert self.speculation is not None
+        drafts = self.speculation.drafts(batch.reqs)
+        if not any(drafts):
+            return False
+        self._evict_for(sum(map(len, drafts)) + len(drafts))
+        return batch.prepare_for_verify(drafts)
 
     def _has_room(self, reqs: list[Req], steps: int) -> bool:
         """Whether `reqs` can decode `steps` more tokens each, evicting cached KV if that helps."""
@@ -351,17 +340,25 @@ class Scheduler:
 
     def launched(self, batch: ScheduleBatch) -> LaunchedBatch:
         reqs = list(batch.reqs)
-        num_extend = len(reqs) - batch.mixed_decode_rows if batch.forward_mode.is_extend() else 0
+        num_extend = len(reqs) - batch.mixed_decode_rows if batch.forward_mode.is_prefill() else 0
         mid_chunk = [i < num_extend and r.is_chunked > 0 for i, r in enumerate(reqs)]
         kv_lens = [r.kv_committed_len for r in reqs]
         lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], kv_lens, batch.forward_mode, mid_chunk, num_extend)
-        if lb.mode.is_extend():
+        if lb.mode.is_verify():
+            lb.drafts = batch.spec_drafts
+        lb.sync = self.speculation is not None
+        if lb.mode.is_prefill():
             self.last_batch = lb
         return lb
 
     # ---- results ------------------------------------------------------------------------------
 
     def process_batch_result(self, lb: LaunchedBatch, result: GenerationBatchResult) -> BatchTokenOut:
+        if lb.mode.is_verify():
+            assert self.speculation is not None
+            msg = self.speculation.process(lb.reqs, lb.epochs, lb.drafts, result, self._finish)
+            self.generated_tokens += len(msg.rids)
+            return msg
         out = result.sampler_output
         ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
         lps = out.logprobs.tolist() if out.logprobs is not None else None
@@ -393,9 +390,12 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
             msg.add(req, tok, lp, top)
             if req.finished():
-                self._release(req)
-                self.reqs_by_rid.pop(req.rid, None)
+                self._finish(req)
         return msg
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        self.reqs_by_rid.pop(req.rid, None)
 
     def fail_batch(self, lb: LaunchedBatch, error: BaseException) -> BatchTokenOut:
         """A forward raised: the requests in it end with an error; everyone else keeps going."""

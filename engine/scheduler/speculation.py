@@ -1,0 +1,140 @@
+"""The scheduler's side of n-gram speculative decoding (`--speculative-algorithm NGRAM`).
+
+Each decode round, `Speculation.drafts` proposes up to `speculative_num_draft_tokens` tokens per
+running request from its own prompt and output (engine/speculative/ngram.py); if any request
+has a draft, the round is a TARGET_VERIFY forward (`ScheduleBatch.prepare_for_verify`) instead
+of a decode. A request speculates only when exactness is guaranteed by argmax verification:
+greedy, no grammar, no logprobs, no penalties, no logit bias, past its `min_new_tokens`. The
+others ride in the same forward with no draft and are sampled as in a decode.
+
+`Speculation.process` then emits, per request, its accepted drafts and the next token (stopping
+early at a finish: EOS, a stop id, the length limit), frees the KV slots of the rejected drafts
+at once, and adapts the request's draft length. Memory stays exact: a request's committed KV is
+its tokens but the last (as after a decode), every other slot of the forward is back in the
+allocator. A request aborted or retracted while its verify runs was freed in full by that path
+(its committed length covered every draft slot) and is skipped here, as a decode would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model_executor.model_runner import GenerationBatchResult
+from engine.scheduler.batch import Req
+from engine.scheduler.output import BatchTokenOut
+from engine.speculative.ngram import DraftLength, NgramIndex
+
+
+@dataclass
+class SpecState:
+    """One request's n-gram index (prompt and output so far) and draft length policy."""
+
+    index: NgramIndex
+    length: DraftLength
+
+    def sync(self, req: Req) -> None:
+        """Bring the index up to the request's current tokens."""
+        have, prompt = len(self.index.tokens), req.origin_input_ids
+        if have < len(prompt):
+            self.index.extend(prompt[have:])
+            have = len(prompt)
+        self.index.extend(req.output_ids[have - len(prompt) :])
+
+
+def can_speculate(req: Req) -> bool:
+    """Whether argmax verification reproduces this request's plain decoding exactly."""
+    p = req.sampling_params
+    return (
+        p.is_greedy
+        and req.grammar is None
+        and not req.return_logprob
+        and not p.has_penalties()
+        and req.logit_bias is None
+        and len(req.output_ids) >= p.min_new_tokens
+    )
+
+
+class Speculation:
+    def __init__(self, max_draft_tokens: int, pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.pool, self.allocator = pool, allocator
+        self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
+
+    def drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's drafts this round (empty: it decodes one token)."""
+        out = []
+        for req in reqs:
+            if not can_speculate(req):
+                out.append([])
+                continue
+            if req.spec is None:
+                req.spec = SpecState(NgramIndex(), DraftLength(self.max_draft_tokens))
+            req.spec.sync(req)
+            room = min(
+                req.sampling_params.max_new_tokens - len(req.output_ids) - 1,  # the next token is extra
+                req.max_context_len - req.seqlen - 1,
+            )
+            k = min(req.spec.length.wanted(len(req.output_ids)), room)
+            out.append(req.spec.index.propose(k) if k > 0 else [])
+        return out
+
+    def process(
+        self,
+        reqs: list[Req],
+        epochs: list[int],
+        drafts: list[list[int]],
+        result: GenerationBatchResult,
+        release: Callable[[Req], None],
+    ) -> BatchTokenOut:
+        """A verify forward's result: tokens out, rejected slots freed (see the module doc)."""
+        out = result.sampler_output
+        next_ids = result.next_token_ids_list()
+        accepted = result.accept_lens or [0] * len(reqs)
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
+        top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
+        self.verify_steps += 1
+        msg = BatchTokenOut()
+        for i, req in enumerate(reqs):
+            if req.finished() or epochs[i] != req.epoch:
+                continue  # aborted or retracted meanwhile: its slots, drafts' included, are freed
+            written = req.kv_committed_len  # positions with a slot after this forward
+            start = written - len(drafts[i]) - 1  # its last token's position
+            emitted = 0
+            for tok in [*drafts[i][: accepted[i]], next_ids[i]]:
+                req.accept_token(tok)
+                emitted += 1
+                lp = top = None
+                if req.return_logprob and lps is not None:  # a request that drafted nothing
+                    lp = lps[i]
+                    if req.top_logprobs_num and top_idx is not None:
+                        top = list(zip(top_idx[i][: req.top_logprobs_num], top_val[i][: req.top_logprobs_num]))
+                msg.add(req, tok, lp, top)
+                if req.finished():
+                    break
+            # KV is valid for the last token and the accepted drafts that were emitted.
+            keep = start + emitted
+            if keep < written:
+                self.allocator.free(self.pool.req_to_token[req.req_pool_idx, keep:written].to(torch.int64))
+            req.kv_committed_len = keep
+            req.kv_computed_len = max(req.kv_computed_len, keep)
+            if drafts[i]:
+                self.draft_tokens += len(drafts[i])
+                self.accepted_tokens += accepted[i]
+                req.spec.length.record(len(drafts[i]), accepted[i], len(req.output_ids))
+            if req.finished():
+                release(req)
+        return msg
+
+    def stats(self) -> dict[str, float | int]:
+        rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        return {
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accept_rate": rate,
+        }
