@@ -10,6 +10,7 @@ Workloads (token ids drawn with `--seed`, default 0, from the model's vocabulary
     W2 shared-prefix  8 groups x 8: one 512-token prefix per group + a 64-token question, 64 out
     W3 decode-heavy   32 requests, 32-token prompts, 256 output tokens
     single            1 request, 32-token prompt, 128 output tokens (single-stream speed)
+    single200         1 request, 200-token prompt, 256 output tokens (single stream, end to end)
     M0..M5            the mixed-shape family (`--workloads family`): M0 is 32 requests, prompts
                       U[64, 384], outputs U[32, 160] (fewer requests, shorter outputs than W1);
                       M1..M5 draw a request count from 16-128 and prompt/output ranges from
@@ -102,7 +103,9 @@ def make_workload(name: str, vocab: int, seed: int = 0) -> Workload:
         return Workload(name, [_ids(rng, 32, vocab) for _ in range(32)], [256] * 32)
     if name == "single":
         return Workload(name, [_ids(rng, 32, vocab)], [128])
-    raise ValueError(f"unknown workload {name!r}; choose from W1 W2 W3 single")
+    if name == "single200":  # issue 17's end-to-end single-stream shape (200-token prompt, 256 out)
+        return Workload(name, [_ids(rng, 200, vocab)], [256])
+    raise ValueError(f"unknown workload {name!r}; choose from W1 W2 W3 single single200")
 
 
 @dataclass

@@ -15,6 +15,7 @@ engine/scheduler/speculation.py.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 import torch
@@ -121,6 +122,7 @@ def copy_prompts(default_tokenizer) -> list[list[int]]:
     ]
 
 
+SAMPLED = 2  # the index of the sampling request among _run's outputs
 MIXED_PARAMS = [
     SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True),
     SamplingParams(temperature=0.0, max_new_tokens=33, stop=["# the"]),
@@ -165,6 +167,7 @@ def _run(prompts: list[list[int]], spec: bool, overlap: bool, **options) -> tupl
 def test_outputs_identical_to_plain_decoding(copy_prompts, overlap, options):
     want, _ = _run(copy_prompts, spec=False, overlap=overlap, **options)
     got, stats = _run(copy_prompts, spec=True, overlap=overlap, **options)
+    del want[SAMPLED], got[SAMPLED]  # same distribution, not the same draws (see the test below)
     assert got == want
     assert stats is not None and stats["accepted_tokens"] >= 40, stats  # drafts really were accepted
 
@@ -173,7 +176,45 @@ def test_identical_under_retraction(copy_prompts):
     """A KV pool too small for every request's whole output: retractions happen mid-speculation."""
     want, _ = _run(copy_prompts, spec=False, overlap=False, max_total_tokens=330)
     got, stats = _run(copy_prompts, spec=True, overlap=False, max_total_tokens=330)
+    del want[SAMPLED], got[SAMPLED]
     assert got == want and stats is not None and stats["accepted_tokens"] > 0
+
+
+def test_sampled_requests_keep_their_distribution(repeating_folder):
+    """temperature > 0: drafts are checked by rejection sampling, so every output position is
+    distributed as without speculation. 2,000 seeded requests per side (deterministic: the seeds
+    fix every draw); the per-position token histograms agree within sampling noise, while a
+    verifier that accepted every draft would push the repeat rate toward 1."""
+    prompt = [5, 6, 7, 8] * 6 + [9, 9]
+    sampling = dict(temperature=0.8, top_p=0.95, max_new_tokens=8, ignore_eos=True)
+    params = [SamplingParams(seed=seed, **sampling) for seed in range(2000)]
+    runs = {}
+    for spec in (False, True):
+        args = ServerArgs(
+            model_path=repeating_folder,
+            dtype="float32",
+            device="cpu",
+            max_total_tokens=8192,
+            max_running_requests=128,
+            speculative_algorithm="NGRAM" if spec else None,
+            torch_threads=1,
+        )
+        sched = SyncScheduler(ModelRunner(args), args)
+        reqs = [sched.add_request(prompt, p) for p in params]
+        sched.run_until_idle()
+        runs[spec] = [r.output_ids for r in reqs]
+        stats = sched.scheduler.speculation.stats() if spec else None
+    assert stats is not None and stats["accepted_tokens"] > 1000 and stats["draft_tokens"] > stats["accepted_tokens"]
+    for pos in range(8):  # histograms of the 8 likeliest tokens and "any other", per position
+        plain = Counter(out[pos] for out in runs[False])
+        spec = Counter(out[pos] for out in runs[True])
+        top = [t for t, _ in plain.most_common(8)]
+        bins = [(plain[t], spec[t]) for t in top]
+        bins.append((len(params) - sum(a for a, _ in bins), len(params) - sum(b for _, b in bins)))
+        tv = sum(abs(a - b) for a, b in bins) / (2 * len(params))
+        assert tv < 0.06, (pos, tv, plain.most_common(4), spec.most_common(4))
+    repeats = [sum(o[i] == o[i - 1] for o in runs[s] for i in range(1, 8)) / (7 * len(params)) for s in (False, True)]
+    assert abs(repeats[0] - repeats[1]) < 0.02, repeats
 
 
 def test_tensor_parallel_verify(repeating_folder):

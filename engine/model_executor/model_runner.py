@@ -44,7 +44,7 @@ from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
 from engine.server_args import ServerArgs
-from engine.speculative.verify import accept_drafts
+from engine.speculative.verify import verify_batch
 
 log = logging.getLogger(__name__)
 
@@ -282,10 +282,11 @@ class ModelRunner:
             last_logits = logits[fb.extend_start_loc + fb.extend_seq_lens - 1]
         out = self.sampler(last_logits, batch.sampling_info)
         next_ids, accepted = out.next_token_ids, None
-        if verify:  # greedy acceptance of the drafts; requests without drafts keep the sampler's pick
+        if verify:  # the drafts checked (engine/speculative/verify.py); requests without keep the sampler's pick
             assert batch.input_ids is not None
-            ids, accepted = accept_drafts(
-                batch.input_ids.tolist(), batch.extend_seq_lens, logits.argmax(-1).tolist(), next_ids.tolist()
+            assert batch.sampling_info is not None
+            ids, accepted = verify_batch(
+                logits, batch.input_ids.tolist(), batch.extend_seq_lens, next_ids.tolist(), batch.sampling_info
             )
             next_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         if self.tp.size > 1:

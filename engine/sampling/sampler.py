@@ -316,7 +316,7 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     return x
 
 
-def _filtered_probs(
+def filtered_probs(
     logits: Tensor,
     temperatures: Tensor,
     top_ps: Tensor,
@@ -409,7 +409,7 @@ class Sampler:
             scores = scores.index_select(0, rows)
             temperatures, top_ps, top_ks = temperatures[rows], top_ps[rows], top_ks[rows]
             min_ps, seeds, steps = min_ps[rows], seeds[rows], steps[rows]
-        probs = _filtered_probs(scores.float(), temperatures, top_ps, top_ks, min_ps, info)
+        probs = filtered_probs(scores.float(), temperatures, top_ps, top_ks, min_ps, info)
         exponentials = counter_uniforms(seeds, steps, probs.shape[-1]).log_().neg_()
         return probs.div_(exponentials).argmax(dim=-1)
 

@@ -3,9 +3,10 @@
 Each decode round, `Speculation.drafts` proposes up to `speculative_num_draft_tokens` tokens per
 running request from its own prompt and output (engine/speculative/ngram.py); if any request
 has a draft, the round is a TARGET_VERIFY forward (`ScheduleBatch.prepare_for_verify`) instead
-of a decode. A request speculates only when exactness is guaranteed by argmax verification:
-greedy, no grammar, no logprobs, no penalties, no logit bias, past its `min_new_tokens`. The
-others ride in the same forward with no draft and are sampled as in a decode.
+of a decode. A request speculates when verification reproduces its plain decoding: greedy ones
+exactly (argmax), sampling ones in distribution (rejection sampling); not with a grammar,
+logprobs, penalties or a logit bias, nor before its `min_new_tokens`. The others ride in the same
+forward with no draft and are sampled as in a decode.
 
 `Speculation.process` then emits, per request, its accepted drafts and the next token (stopping
 early at a finish: EOS, a stop id, the length limit), frees the KV slots of the rejected drafts
@@ -46,11 +47,11 @@ class SpecState:
 
 
 def can_speculate(req: Req) -> bool:
-    """Whether argmax verification reproduces this request's plain decoding exactly."""
+    """Whether verification reproduces this request's plain decoding: exactly (greedy, by argmax)
+    or in distribution (sampling, by rejection sampling over temperature, top-k/p and min-p)."""
     p = req.sampling_params
     return (
-        p.is_greedy
-        and req.grammar is None
+        req.grammar is None
         and not req.return_logprob
         and not p.has_penalties()
         and req.logit_bias is None

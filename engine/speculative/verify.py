@@ -6,11 +6,39 @@ it equals the argmax after the tokens before it; the argmax at the first disagre
 the last draft) is the next token the target would have produced anyway. So a greedy request
 emits exactly the tokens plain decoding would (accepted + 1 per forward), only in fewer forwards.
 
+A request that samples (temperature > 0) checks its drafts by rejection sampling instead
+(engine/sampling/speculative_sampling.py): what it samples is distributed as without drafts.
+
 Requests that do not speculate ride in the same forward with no drafts: their one position is
 sampled by the ordinary sampler (temperature, penalties, grammar, logprobs all apply).
 """
 
 from __future__ import annotations
+
+from torch import Tensor
+
+from engine.sampling import SamplingBatchInfo
+from engine.sampling.speculative_sampling import sample_drafted
+
+
+def verify_batch(
+    logits: Tensor, input_ids: list[int], extend_lens: list[int], sampled: list[int], info: SamplingBatchInfo
+) -> tuple[list[int], list[int]]:
+    """(next token, accepted drafts) per request of a verify forward (`logits`: every position's):
+    greedy requests by argmax agreement, sampling ones by rejection sampling."""
+    next_ids, accepted = accept_drafts(input_ids, extend_lens, logits.argmax(-1).tolist(), sampled)
+    if info.is_all_greedy:
+        return next_ids, accepted
+    rows = range(len(extend_lens)) if info.sample_indices is None else info.sample_indices.tolist()
+    starts = [0]
+    for n in extend_lens:
+        starts.append(starts[-1] + n)
+    for i in rows:
+        n = extend_lens[i]
+        if n > 1:
+            drafts = input_ids[starts[i] + 1 : starts[i] + n]
+            next_ids[i], accepted[i] = sample_drafted(logits[starts[i] : starts[i] + n], drafts, info, i)
+    return next_ids, accepted
 
 
 def accept_drafts(
