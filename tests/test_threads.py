@@ -74,3 +74,28 @@ async def test_the_forward_thread_keeps_its_threads_whatever_the_caller_sets_nex
         await stream.aclose()
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_forwards_leave_a_core_to_the_event_loop():
+    """StepThreads (engine/model_executor/model_runner.py): on the forward thread, a forward of a
+    few tokens runs with one thread fewer than the thread's own count, larger ones with all."""
+    import torch
+
+    from engine.model_executor.model_runner import SMALL_STEP_TOKENS, StepThreads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        steps = StepThreads()
+        steps.before(1)
+        assert torch.get_num_threads() == 1
+        steps.before(SMALL_STEP_TOKENS + 1)
+        assert torch.get_num_threads() == 2
+        steps.before(SMALL_STEP_TOKENS)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(1)
+        one = StepThreads()  # a single-thread forward never drops to 0
+        one.before(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
