@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from bench.offline import Result, Workload, make_workload, run_ours
+from bench.soak_server import wait_healthy
 from engine import default_torch_threads, resolve_model
 
 READY_TIMEOUT_S = 120.0
@@ -73,21 +74,6 @@ def llama_server_command(binary: str, gguf: Path, port: int, threads: int, wl: W
     ]
 
 
-async def _wait_ready(session: aiohttp.ClientSession, server: PeerServer) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with status {server.proc.returncode} before it was ready")
-        try:
-            async with session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.25)
-    raise RuntimeError("llama-server did not become ready")
-
-
 def completion_body(prompt: list[int], n: int) -> dict[str, Any]:
     """Greedy, exactly `n` tokens, no prompt reuse between requests (as ours after flush_cache)."""
     return {
@@ -112,7 +98,6 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
 async def run_peer_workload(server: PeerServer, wl: Workload) -> Result:
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await _wait_ready(session, server)
         await _complete(session, server.url, wl.prompts[0][:16], 4)  # warm up, as ours
         t0 = time.perf_counter()
         counts = await asyncio.gather(
@@ -130,6 +115,7 @@ def run_peer(binary: str, gguf: Path, wl: Workload, threads: int, port: int) -> 
         subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
     )
     try:
+        wait_healthy(server.url, server.proc, READY_TIMEOUT_S, "llama-server")
         return asyncio.run(run_peer_workload(server, wl))
     finally:
         server.stop()

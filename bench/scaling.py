@@ -23,8 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,11 +30,11 @@ from typing import Any
 import aiohttp
 
 from bench.offline import Workload, make_workload
+from bench.soak_server import LaunchedServer
 from engine import resolve_model
 
 LAYOUTS = ("dp1", "dp2", "dp2-rr", "tp")
 READY_TIMEOUT_S = 600.0
-PORT = 30310
 
 
 @dataclass
@@ -74,21 +72,6 @@ def layout_flags(layout: str, tp_size: int) -> list[str]:
     }[layout]
 
 
-async def _wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.5)
-    raise RuntimeError("the server did not become ready")
-
-
 async def _generate(session: aiohttp.ClientSession, url: str, ids: list[int], n: int) -> dict[str, Any]:
     body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
     async with session.post(f"{url}/generate", json=body) as r:
@@ -98,16 +81,15 @@ async def _generate(session: aiohttp.ClientSession, url: str, ids: list[int], n:
         return out["meta_info"]
 
 
-async def run_layout(wl: Workload, layout: str, flags: list[str], model: str, port: int) -> LayoutResult:
+async def run_layout(wl: Workload, layout: str, flags: list[str], model: str) -> LayoutResult:
     """Start the server, warm it, empty its cache, send the whole workload at once, stop it."""
-    cmd = [sys.executable, "-m", "server", "--model-path", model, "--port", str(port), *flags]
-    cmd += ["--max-running-requests", str(len(wl.prompts)), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    extra = [*flags, "--max-running-requests", str(len(wl.prompts)), "--log-level", "warning"]
+    server = LaunchedServer(model, extra)
     try:
+        await asyncio.to_thread(server.start, READY_TIMEOUT_S)
+        url = server.url
         timeout = aiohttp.ClientTimeout(total=3600)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            await _wait_ready(session, url, proc)
             await asyncio.gather(
                 *(_generate(session, url, wl.prompts[0][:16], 4) for _ in range(4))
             )  # warm every replica
@@ -117,11 +99,7 @@ async def run_layout(wl: Workload, layout: str, flags: list[str], model: str, po
             metas = await asyncio.gather(*(_generate(session, url, p, n) for p, n in zip(wl.prompts, wl.output_lens)))
             elapsed = time.perf_counter() - t0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
     return LayoutResult(
         wl.name,
         layout,
@@ -152,7 +130,6 @@ def main(argv: list[str] | None = None) -> list[LayoutResult]:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--tp-size", type=int, default=None, help="default: the smallest size that splits the heads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=PORT)
     p.add_argument("--output-file")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -165,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[LayoutResult]:
             if layout == "dp2-rr" and name != "W2":
                 continue
             flags = layout_flags(layout, tp_size)
-            result = asyncio.run(run_layout(wl, layout, flags, args.model_path, args.port))
+            result = asyncio.run(run_layout(wl, layout, flags, args.model_path))
             print(f"{name} {layout}: {result.tokens_per_s:.1f} tok/s", flush=True)
             results.append(result)
     print(report(results))

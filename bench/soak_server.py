@@ -27,6 +27,25 @@ class LaunchError(RuntimeError):
     """The server exited or never answered /health: the message has its log's tail."""
 
 
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float, name: str = "the server", log_tail: str | None = None
+) -> None:
+    """Poll `url`/health until it answers 200. LaunchError if `proc` exits first (its status and,
+    from `log_tail()`-style text read then, its log) or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"{name} exited with status {proc.returncode} before it was ready{log_tail or ''}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise LaunchError(f"{name} was not ready within {timeout:.0f} s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,19 +81,12 @@ class LaunchedServer:
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> LaunchedServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise LaunchError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise LaunchError(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.url, self.proc, timeout)
+        except LaunchError as e:
+            self.stop()
+            raise LaunchError(f"{e}:\n{self.log_tail()}") from None
+        return self
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

@@ -142,6 +142,15 @@ class ServerArgs:
             fail("page_size", "1 with speculative decoding (drafts are verified slot by slot)")
         if not (is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes):
             fail("node_rank", f"an integer in [0, nnodes={self.nnodes})")
+        if self.tp_size % self.nnodes:
+            fail("tp_size", f"a multiple of nnodes ({self.nnodes}): every host runs as many ranks")
+        addr = self.dist_init_addr
+        if addr is not None:
+            host, _, port = str(addr).rpartition(":")
+            if not (isinstance(addr, str) and host and port.isdigit()):
+                fail("dist_init_addr", "HOST:PORT")
+        elif self.nnodes > 1:
+            fail("dist_init_addr", "node 0's HOST:PORT when nnodes > 1")
         size = self.flight_recorder_size
         if not (is_int(size) and size >= 0):
             fail("flight_recorder_size", "an integer >= 0 (0: off)")

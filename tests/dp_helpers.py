@@ -11,13 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from aiohttp import web
 
+from bench.soak_server import LaunchError, wait_healthy
 from tests.server_helpers import REPO, free_port, get_json, server_env
 
 START_TIMEOUT = 180.0  # two replicas loading at once on a busy 2-core machine
@@ -77,20 +75,13 @@ class DPServer(GroupProcess):
 
     def start(self, timeout: float = START_TIMEOUT) -> DPServer:
         self.launch()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the controller exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the controller was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+        assert self.proc is not None
+        try:
+            wait_healthy(self.url, self.proc, timeout, "the controller")
+        except LaunchError as e:
+            self.stop()  # the whole group: replicas a failed controller left behind too
+            raise LaunchError(f"{e}:\n{self.log_tail()}") from None
+        return self
 
     def dp(self) -> dict:
         return get_json(self.url + "/get_server_info")["dp"]

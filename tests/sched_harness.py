@@ -21,33 +21,36 @@ from engine.server_args import ServerArgs
 TINY_VOCAB = 512
 
 
-def save_random_llama(folder: Path, cfg: LlamaConfig) -> Path:
-    """Build `cfg` with weights scaled so logits are far from uniform (greedy is not tie-prone)."""
+def save_random_llama(folder: Path, cfg: LlamaConfig, damped: tuple[str, ...] = ()) -> Path:
+    """Build `cfg` with weights scaled so logits are far from uniform (greedy is not tie-prone);
+    weights whose names end with one of `damped` get 1/20 of that scale."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)
+                p.normal_(0, 0.3 * (0.05 if damped and name.endswith(damped) else 1.0))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-def make_tiny_llama(folder: Path) -> Path:
+def make_tiny_llama(
+    folder: Path, vocab_size: int = TINY_VOCAB, tie_word_embeddings: bool = False, damped: tuple[str, ...] = ()
+) -> Path:
     """A 2-layer random Llama over a small vocabulary, no tokenizer (scheduler tests)."""
     cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=None,
         bos_token_id=None,
     )
-    return save_random_llama(folder, cfg)
+    return save_random_llama(folder, cfg, damped)
 
 
 def build_tiny_folder(folder: Path, tokenizer) -> str:

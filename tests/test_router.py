@@ -7,7 +7,6 @@ worker where round robin spreads it, and a worker killed mid-stream and restarte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -25,6 +24,7 @@ from server.router import RouterConfig
 from server.router.app import WORKER_HEADER, aggregate, build_router_app
 from server.router.policy import CacheAware, RoundRobin, ShortestQueue, Worker, routing_text
 from server.router.tree import ApproxRadixTree
+from tests.dp_helpers import serving
 from tests.server_helpers import (  # noqa: F401 (tiny_model_dir: a fixture)
     TINY_ARGS,
     LaunchedServer,
@@ -152,19 +152,6 @@ def test_aggregate_sums_and_weights():
 # --- in process: fake workers ---------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _serving(app: web.Application):
-    """`app` on a free loopback port; yields its URL."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
 def _fake_worker(completions) -> web.Application:
     async def health(request):
         return web.json_response({})
@@ -183,8 +170,8 @@ async def test_worker_lost_mid_stream_ends_with_an_error_event():
         request.transport.close()  # the worker dies: no [DONE], a broken chunked body
         return resp
 
-    async with _serving(_fake_worker(completions)) as worker:
-        async with _serving(build_router_app(RouterConfig([worker], health_check_interval=60))) as url:
+    async with serving(_fake_worker(completions)) as worker:
+        async with serving(build_router_app(RouterConfig([worker], health_check_interval=60))) as url:
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"stream": True}) as r:
                 assert r.status == 200
                 text = (await r.read()).decode()
@@ -197,9 +184,9 @@ async def test_api_key_checked_and_forwarded():
     async def completions(request):
         return web.json_response({"auth": request.headers.get("Authorization")})
 
-    async with _serving(_fake_worker(completions)) as worker:
+    async with serving(_fake_worker(completions)) as worker:
         config = RouterConfig([worker], health_check_interval=60, api_key="sk-1")
-        async with _serving(build_router_app(config)) as url, aiohttp.ClientSession() as s:
+        async with serving(build_router_app(config)) as url, aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
                 assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
             async with s.post(url + "/v1/completions", json={}, headers={"Authorization": "Bearer sk-1"}) as r:
@@ -210,7 +197,7 @@ async def test_api_key_checked_and_forwarded():
 
 async def test_no_healthy_worker_is_a_503():
     dead = f"http://127.0.0.1:{free_port()}"
-    async with _serving(build_router_app(RouterConfig([dead], health_check_interval=60))) as url:
+    async with serving(build_router_app(RouterConfig([dead], health_check_interval=60))) as url:
         async with aiohttp.ClientSession() as s:
             for method, path in (("GET", "/health"), ("POST", "/v1/completions"), ("POST", "/generate")):
                 async with s.request(method, url + path, json={"text": "x"}) as r:

@@ -4,26 +4,13 @@ mid-generation ends that generation with an error and an abort delta; the others
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import aiohttp
 from aiohttp import web
 
 from server.router import RouterConfig
 from server.router.app import build_router_app
-from tests.server_helpers import free_port
-
-
-@contextlib.asynccontextmanager
-async def _serving(app: web.Application):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+from tests.dp_helpers import serving
 
 
 def _worker(die_on: str) -> web.Application:
@@ -54,9 +41,9 @@ def _worker(die_on: str) -> web.Application:
 
 
 async def test_worker_lost_mid_generation_ends_it_with_an_error_and_an_abort():
-    async with _serving(_worker(die_on="doomed")) as worker:
+    async with serving(_worker(die_on="doomed")) as worker:
         config = RouterConfig(worker_urls=[worker], policy="round_robin", health_check_interval=0.2)
-        async with _serving(build_router_app(config)) as router, aiohttp.ClientSession() as s:
+        async with serving(build_router_app(config)) as router, aiohttp.ClientSession() as s:
             async with s.ws_connect(router + "/ws") as ws:
                 await ws.send_json({"type": "generate", "id": "ok", "text": "fine", "sampling_params": {}})
                 got = [await ws.receive_json() for _ in range(2)]

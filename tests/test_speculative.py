@@ -18,8 +18,6 @@ import asyncio
 from collections import Counter
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import Engine, SamplingParams, SyncScheduler
 from engine.distributed.driver import TPDriver
@@ -27,7 +25,7 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.server_args import ServerArgs
 from engine.speculative.ngram import DraftLength, NgramIndex
 from engine.speculative.verify import accept_drafts
-from tests.sched_harness import TINY_VOCAB
+from tests.sched_harness import TINY_VOCAB, make_tiny_llama
 
 TIMEOUT = 120
 
@@ -71,29 +69,12 @@ def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_next_token():
 
 def save_repeating_llama(folder, vocab_size: int) -> str:
     """A tiny random Llama that (nearly always) predicts its current token again: tied embeddings,
-    attention and MLP outputs scaled down so the residual stream stays close to the token's own
+    attention and MLP outputs damped so the residual stream stays close to the token's own
     embedding. Its greedy output repeats, so n-gram drafts are accepted; every layer still runs
     (and, under tensor parallelism, all-reduces) real numbers."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=None,
-        bos_token_id=None,
+    return str(
+        make_tiny_llama(folder, vocab_size, tie_word_embeddings=True, damped=("o_proj.weight", "down_proj.weight"))
     )
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3 * (0.05 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -63,25 +63,8 @@ class RankLayout:
 
     @classmethod
     def of(cls, args: ServerArgs) -> RankLayout:
-        if args.tp_size < 1 or args.nnodes < 1 or args.tp_size % args.nnodes:
-            raise InvalidServerArgsError(
-                f"tp_size ({args.tp_size}) must be a positive multiple of nnodes ({args.nnodes})", "tp_size"
-            )
-        if not 0 <= args.node_rank < args.nnodes:
-            raise InvalidServerArgsError(f"node_rank must lie in [0, {args.nnodes}), got {args.node_rank}", "node_rank")
-        if args.dist_init_addr is not None:
-            host, _, port = args.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise InvalidServerArgsError(
-                    f"dist_init_addr must be HOST:PORT, got {args.dist_init_addr!r}", "dist_init_addr"
-                )
-            addr = args.dist_init_addr
-        elif args.nnodes > 1:
-            raise InvalidServerArgsError(
-                "dist_init_addr (node 0's HOST:PORT) is needed when nnodes > 1", "dist_init_addr"
-            )
-        else:
-            addr = f"127.0.0.1:{free_port()}"
+        """The layout of verified options (`ServerArgs.verify` checks the sizes and the address)."""
+        addr = args.dist_init_addr if args.dist_init_addr is not None else f"127.0.0.1:{free_port()}"
         return cls(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}")
 
 
@@ -184,8 +167,9 @@ def run_worker_node(model: str = "smollm2-135m", **options: object) -> int:
 def start_driver(args: ServerArgs, source: ModelSource) -> tuple[WorkerProcesses, TPGroup]:
     """Node 0: check the split, spawn this host's worker ranks and join the group as rank 0.
     The workers are killed if the rendezvous fails."""
+    args.verify()  # before any process starts: the options, then the model's split
     cfg = ModelConfig.from_hf(source.hf_config, source.architecture, source.generation_eos)
-    check_tp_size(cfg, args.tp_size)  # before any process starts
+    check_tp_size(cfg, args.tp_size)
     layout = RankLayout.of(args)
     if layout.node_rank != 0:
         raise InvalidServerArgsError("only node 0 runs the engine; start other nodes with their node_rank", "node_rank")

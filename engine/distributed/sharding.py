@@ -28,8 +28,7 @@ _COLUMN_KV = ("self_attn.k_proj", "self_attn.v_proj")
 _COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
 _ROW_ATTN = "self_attn.o_proj"
 _ROW_MLP = "mlp.down_proj"
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # our module paths inside a layer
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # checkpoint names split by vocabulary row
 
 
 def check_tp_size(cfg: ModelConfig, size: int) -> None:
@@ -90,7 +89,7 @@ class TPShard:
         """The part of checkpoint tensor `hf_name` this rank holds; None = all of it."""
         if self.size == 1:
             return None
-        if hf_name in _VOCAB:
+        if hf_name in VOCAB_PARALLEL:
             return 0, self.vocab_start, self.vocab_end
         if not hf_name.startswith("model.layers."):
             return None

@@ -137,10 +137,10 @@ class ModelRunner:
         log.info("attention backend: %s", self.attn_backend_name)
         self.sampler = Sampler()
         # CPU, default threads: a forward of a few tokens leaves one core to the event loop
-        # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward.
-        self.step_threads = StepThreads() if self.device.type == "cpu" and args.torch_threads is None else None
-        if not self.tp.is_driver:
-            self.step_threads = None  # a worker rank has no event loop to make room for
+        # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
+        # worker rank has no event loop to make room for.
+        adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
+        self.step_threads = StepThreads() if adapt else None
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()

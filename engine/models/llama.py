@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.distributed.parallel_state import TPGroup
-from engine.distributed.sharding import TPShard
+from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         return parts
 
     def _copy(self, target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < target.shape[0]:
+        if name in VOCAB_PARALLEL and tensor.shape[0] < target.shape[0]:
             # the last vocabulary shard: the real rows, then zero rows (looked up by no token;
             # their logits are cut off after the gather)
             target.data[tensor.shape[0] :].zero_()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.sampling import SamplerOutput
 from engine.scheduler.batch import Finished, Req
 
 
@@ -66,3 +67,22 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         for req in reqs:
             out.add(req, -1)
         return out
+
+
+class StepLogprobs:
+    """One step's log-probs on the host (read once): what each request asked for of its row."""
+
+    def __init__(self, out: SamplerOutput) -> None:
+        self.lps = out.logprobs.tolist() if out.logprobs is not None else None
+        self.top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
+        self.top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
+
+    def of(self, i: int, req: Req) -> tuple[float | None, list[tuple[int, float]] | None]:
+        """Row `i`'s (logprob, top-N pairs) for `req`, or None for what it did not ask."""
+        if not req.return_logprob or self.lps is None:
+            return None, None
+        top = None
+        if req.top_logprobs_num and self.top_idx is not None and self.top_val is not None:
+            n = req.top_logprobs_num
+            top = list(zip(self.top_idx[i][:n], self.top_val[i][:n]))
+        return self.lps[i], top

@@ -38,7 +38,7 @@ from engine.host_memory import trim_host_memory
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
-from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.output import BatchTokenOut, StepLogprobs
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
 from engine.scheduler.retraction import (
     INIT_NEW_TOKEN_RATIO,
@@ -343,10 +343,10 @@ class Scheduler:
         num_extend = len(reqs) - batch.mixed_decode_rows if batch.forward_mode.is_prefill() else 0
         mid_chunk = [i < num_extend and r.is_chunked > 0 for i, r in enumerate(reqs)]
         kv_lens = [r.kv_committed_len for r in reqs]
-        lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], kv_lens, batch.forward_mode, mid_chunk, num_extend)
-        if lb.mode.is_verify():
-            lb.drafts = batch.spec_drafts
-        lb.sync = self.speculation is not None
+        mode = batch.forward_mode
+        drafts = batch.spec_drafts if mode.is_verify() else []
+        sync = self.speculation is not None  # the next round's drafts need this round's tokens
+        lb = LaunchedBatch(batch, reqs, [r.epoch for r in reqs], kv_lens, mode, mid_chunk, num_extend, drafts, sync)
         if lb.mode.is_prefill():
             self.last_batch = lb
         return lb
@@ -354,20 +354,18 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
 
     def process_batch_result(self, lb: LaunchedBatch, result: GenerationBatchResult) -> BatchTokenOut:
-        if lb.mode.is_verify():
-            assert self.speculation is not None
-            msg = self.speculation.process(lb.reqs, lb.epochs, lb.drafts, result, self._finish)
-            self.generated_tokens += len(msg.rids)
-            return msg
         out = result.sampler_output
-        ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
-        top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
         if out.mask_fill_s or out.mask_apply_s:
             self.grammar_steps += 1
             self.grammar_mask_fill_s += out.mask_fill_s
             self.grammar_mask_apply_s += out.mask_apply_s
+        logprobs = StepLogprobs(out)
+        if lb.mode.is_verify():
+            assert self.speculation is not None
+            msg = self.speculation.process(lb, result, logprobs, self._finish)
+            self.generated_tokens += len(msg.rids)
+            return msg
+        ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
         msg = BatchTokenOut()
         for i, req in enumerate(lb.reqs):
             if req.finished() or lb.epochs[i] != req.epoch:
@@ -378,12 +376,7 @@ class Scheduler:
             tok = ids[i]
             req.accept_token(tok)  # appends, advances its grammar, checks finish
             self.generated_tokens += 1
-            lp = top = None
-            if req.return_logprob and lps is not None:
-                lp = lps[i]
-                if req.top_logprobs_num and top_idx is not None:
-                    n = req.top_logprobs_num
-                    top = list(zip(top_idx[i][:n], top_val[i][:n]))
+            lp, top = logprobs.of(i, req)
             if i < lb.num_extend and not req.finished():
                 # Make the just-computed prompt shareable while the request decodes (SGLang does
                 # the same); the request is re-pointed at the tree's slots.

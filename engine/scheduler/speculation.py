@@ -26,7 +26,8 @@ import torch
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_executor.model_runner import GenerationBatchResult
 from engine.scheduler.batch import Req
-from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.launched import LaunchedBatch
+from engine.scheduler.output import BatchTokenOut, StepLogprobs
 from engine.speculative.ngram import DraftLength, NgramIndex
 
 
@@ -85,23 +86,19 @@ class Speculation:
 
     def process(
         self,
-        reqs: list[Req],
-        epochs: list[int],
-        drafts: list[list[int]],
+        lb: LaunchedBatch,
         result: GenerationBatchResult,
+        logprobs: StepLogprobs,
         release: Callable[[Req], None],
     ) -> BatchTokenOut:
         """A verify forward's result: tokens out, rejected slots freed (see the module doc)."""
-        out = result.sampler_output
+        drafts = lb.drafts
         next_ids = result.next_token_ids_list()
-        accepted = result.accept_lens or [0] * len(reqs)
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_idx = out.top_logprobs_idx.tolist() if out.top_logprobs_idx is not None else None
-        top_val = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None
+        accepted = result.accept_lens or [0] * len(lb.reqs)
         self.verify_steps += 1
         msg = BatchTokenOut()
-        for i, req in enumerate(reqs):
-            if req.finished() or epochs[i] != req.epoch:
+        for i, req in enumerate(lb.reqs):
+            if req.finished() or lb.epochs[i] != req.epoch:
                 continue  # aborted or retracted meanwhile: its slots, drafts' included, are freed
             written = req.kv_committed_len  # positions with a slot after this forward
             start = written - len(drafts[i]) - 1  # its last token's position
@@ -109,12 +106,7 @@ class Speculation:
             for tok in [*drafts[i][: accepted[i]], next_ids[i]]:
                 req.accept_token(tok)
                 emitted += 1
-                lp = top = None
-                if req.return_logprob and lps is not None:  # a request that drafted nothing
-                    lp = lps[i]
-                    if req.top_logprobs_num and top_idx is not None:
-                        top = list(zip(top_idx[i][: req.top_logprobs_num], top_val[i][: req.top_logprobs_num]))
-                msg.add(req, tok, lp, top)
+                msg.add(req, tok, *logprobs.of(i, req))  # log-probs: only a request that drafted nothing
                 if req.finished():
                     break
             # KV is valid for the last token and the accepted drafts that were emitted.
