@@ -8,7 +8,8 @@ so its time can never be below
 Bytes per step: each linear in the form the bs-1 path runs (the packed 4-bit blocks and scales of
 an int4 layer; the bf16/fp32 weight of a dense or oneDNN one), the LM head, one embedding row, and
 the KV cache of the context. Bandwidth: the best of several sums over a 512 MiB buffer (a pure
-streaming read) with the forward's thread count. The step time: the median decode forward of one
+streaming read) with the bs-1 forward's thread count (one fewer than the forward thread's, as the
+engine runs small forwards). The step time: the median decode forward of one
 request (200-token prompt, 256 tokens; `SyncScheduler`, so forwards are timed one by one).
 
     python -m bench.floor                    # engine defaults (bf16, threads as Engine() picks)
@@ -44,15 +45,15 @@ def read_bandwidth(threads: int, repeats: int = 7) -> float:
 def weight_bytes_per_step(model: torch.nn.Module, rows: int = 1) -> dict[str, int]:
     """Bytes of weights a forward of `rows` rows reads, by kind (the linears' run-time forms)."""
     out = {"int4 linears": 0, "dense linears": 0, "lm head": 0, "embedding row": 0}
-    inside_int4: list[str] = []
+    inside_quant: list[str] = []
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if any(name.startswith(prefix + ".") for prefix in inside_int4):
-            continue  # an int4 layer's dense fallback: not read for `rows` <= its bound
-        if kind == "Int4Linear" and rows <= module.max_rows:
-            inside_int4.append(name)
-            out["int4 linears"] += module.packed.packed.nbytes + module.packed.scales_zeros.nbytes
-        elif kind in ("DenseLinear", "OneDNNLinear", "Int4Linear"):
+        if any(name.startswith(prefix + ".") for prefix in inside_quant):
+            continue  # a quantized layer's dense fallback: not read for `rows` <= its bound
+        if kind == "QuantLinear" and rows <= module.max_rows:
+            inside_quant.append(name)
+            out["lm head" if name.endswith("lm_head") else "int4 linears"] += module.packed.nbytes
+        elif kind in ("DenseLinear", "OneDNNLinear", "QuantLinear"):
             size = module.out_features * module.in_features * _dtype_bytes(module)
             out["lm head" if name.endswith("lm_head") else "dense linears"] += size
         elif kind == "VocabEmbedding":
@@ -95,11 +96,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     context = args.prompt_len + args.output_len // 2  # the median step's context
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * runner.dtype.itemsize
     total = sum(weights.values()) + kv_bytes
-    bandwidth = read_bandwidth(threads)
+    # a forward of one token runs with one thread fewer than the forward thread's (the engine's
+    # StepThreads leave a core to the event loop)
+    step_threads = max(1, threads - 1)
+    bandwidth = read_bandwidth(step_threads)
     floor_s = total / bandwidth
     print(
         f"model={args.model_path} dtype={str(runner.dtype).removeprefix('torch.')} threads={threads} "
-        f"int4 rows<={runner.q4_max_tokens}"
+        f"(bs-1 step: {step_threads}) int4 rows<={runner.q4_max_tokens} "
+        f"fused decode: {'on' if runner.model.fused_decode is not None else 'off'}"
     )
     for kind, n in [*weights.items(), ("kv cache (median step)", kv_bytes)]:
         print(f"  {kind:>24}: {n / 1e6:8.1f} MB")

@@ -67,6 +67,9 @@ class ServerArgs:
     # cpu/torch attention backends on a CPU: decode attends a prefix shared by several requests of
     # the batch once for all of them (engine/layers/cascade.py) instead of once per request.
     disable_cascade_attention: bool = False
+    # CPU + bf16 + our 4-bit kernels: a decode of a few tokens runs every decoder layer in one C++
+    # call (engine/layers/fused_decode.py; same kernels, same results, no Python between them).
+    disable_fused_decode: bool = False
     # Threads of the forward thread. None: on a CPU, the physical cores this process may use
     # (affinity, cgroup quota: engine/device/cpu_threads.py); the event-loop thread gets 1.
     torch_threads: int | None = None

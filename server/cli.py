@@ -172,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting for it; the chunk budget shrinks by one token per running request",
     )
     g.add_argument(
+        "--disable-fused-decode",
+        action="store_true",
+        help="CPU bf16: run small decode batches layer by layer in Python instead of one C++ call per step",
+    )
+    g.add_argument(
         "--disable-cascade-attention",
         action="store_true",
         help="cpu/torch attention: attend prefixes shared by several decoding requests once per request "
@@ -317,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
-    for flag in ("disable_radix_cache", "disable_cascade_attention", "enable_mixed_chunk"):
+    for flag in ("disable_radix_cache", "disable_cascade_attention", "disable_fused_decode", "enable_mixed_chunk"):
         if getattr(ns, flag):
             engine[flag] = True
     if ns.disable_overlap_schedule:

@@ -15,10 +15,11 @@ import weakref
 import pytest
 import torch
 
+from engine.kernels import cpu_quant
 from engine.layers import int4_crossover
 from engine.layers.activation import SiluAndMul
 from engine.layers.int4 import int4_kernel_available
-from engine.layers.linear import DenseLinear, Int4Linear, OneDNNLinear, onednn_prepack_available
+from engine.layers.linear import DenseLinear, OneDNNLinear, QuantLinear, onednn_prepack_available
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.model_executor.model_runner import ModelRunner
@@ -75,9 +76,11 @@ def test_cpu_bf16_with_kernels_gets_onednn_int4_and_fused_ops(default_source):
     runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=16)
     model = runner.model
     projections = _projections(model)
-    assert all(isinstance(p, Int4Linear) and isinstance(p.big, OneDNNLinear) for p in projections)
+    assert all(isinstance(p, QuantLinear) and isinstance(p.big, OneDNNLinear) for p in projections)
     assert all(p.max_rows == 16 for p in projections) and runner.q4_max_tokens == 16
-    assert isinstance(model.lm_head, OneDNNLinear)  # the tied head: prepacked, never 4-bit
+    head = model.lm_head  # the tied head: prepacked, never 4-bit; its Q8_0 form where our kernel runs
+    assert isinstance(head.big if isinstance(head, QuantLinear) else head, OneDNNLinear)
+    assert isinstance(head, QuantLinear) == cpu_quant.vectorized() and getattr(head, "max_rows", 16) == 16
     ops = _elementwise(model)
     assert all(op.uses_cpu_kernel for op in ops) and model.fused
     assert {type(op) for op in ops} >= {RMSNorm, AddRMSNorm, SiluAndMul}
@@ -92,7 +95,7 @@ def test_kernels_off_keeps_torch_ops(default_source, monkeypatch):
     runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=16)
     assert not any(op.uses_cpu_kernel for op in _elementwise(runner.model)) and not runner.model.fused
     assert runner.attn_backend_name == "torch"
-    assert all(isinstance(p, Int4Linear) for p in _projections(runner.model))
+    assert all(isinstance(p, QuantLinear) for p in _projections(runner.model))
 
 
 @needs_fast_paths
@@ -109,7 +112,7 @@ def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
     runner = _runner(default_source, dtype="bfloat16")
     rows = runner.q4_max_tokens
     assert 0 <= rows <= int4_crossover.CANDIDATE_ROWS[-1]
-    int4 = [p for p in _projections(runner.model) if isinstance(p, Int4Linear)]
+    int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
     assert all(p.max_rows == rows for p in int4) and len(int4) == (len(_projections(runner.model)) if rows else 0)
     # A machine where the int4 kernel never wins keeps no int4 form at all.
     monkeypatch.setattr(llama, "measure_int4_crossover", lambda linears: 0)
@@ -120,7 +123,7 @@ def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
 @needs_fast_paths
 def test_crossover_measurement_is_cached_and_bounded(default_source):
     runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=64)
-    int4 = [p for p in _projections(runner.model) if isinstance(p, Int4Linear)]
+    int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
     first = int4_crossover.measure_int4_crossover(int4)
     assert 0 <= first <= int4_crossover.CANDIDATE_ROWS[-1]
     timed = int4_crossover.cold_cache_prefix(int4)

@@ -19,9 +19,10 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
 from engine import SyncScheduler
 from engine.errors import InvalidRequestError
+from engine.kernels import cpu_quant
 from engine.layers import int4, linear
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
-from engine.layers.linear import DenseLinear, Int4Linear, OneDNNLinear, finalize_linear
+from engine.layers.linear import DenseLinear, OneDNNLinear, QuantLinear, finalize_linear
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_weights import q4_blocks
 from engine.models.loader import resolve_model
@@ -68,13 +69,13 @@ def test_kernel_formula(group):
 
 
 def test_pack_formula_roundtrip():
-    """Q4Blocks.pack turns scale * q + offset into the kernel's (q - 8) * scale + zero."""
+    """Q4Blocks.pack_torch turns scale * q + offset into the kernel's (q - 8) * scale + zero."""
     g = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (48, 128), generator=g, dtype=torch.uint8)
     scale = torch.randint(1, 9, (48, 4), generator=g) / 8
     offset = -torch.randint(0, 17, (48, 4), generator=g) / 4
     blocks = Q4Blocks(q, scale, offset, 32)
-    packed = blocks.pack()
+    packed = blocks.pack_torch()
     assert packed is not None and packed.scales_zeros.shape == (4, 48, 2)
     w_read = packed.matmul(torch.eye(128, dtype=torch.bfloat16)).float().T
     assert torch.equal(w_read, blocks.dequantize())
@@ -82,8 +83,8 @@ def test_pack_formula_roundtrip():
 
 def test_pack_refuses_shapes_the_kernel_cannot_take():
     q = torch.zeros(24, 64, dtype=torch.uint8)  # 24 rows: not a multiple of 16
-    assert Q4Blocks(q, torch.ones(24, 2), torch.zeros(24, 2), 32).pack() is None
-    q = torch.zeros(16, 64, dtype=torch.uint8)  # groups of 16: the kernel takes 32..256
+    assert Q4Blocks(q, torch.ones(24, 2), torch.zeros(24, 2), 32).pack_torch() is None
+    q = torch.zeros(16, 64, dtype=torch.uint8)  # groups of 16: torch's kernel takes 32..256, ours 32k
     assert Q4Blocks(q, torch.ones(16, 4), torch.zeros(16, 4), 16).pack() is None
 
 
@@ -156,7 +157,8 @@ def _runner(source, **kw) -> ModelRunner:
 
 
 def _packed_count(runner: ModelRunner) -> int:
-    return sum(isinstance(m, Int4Linear) for m in runner.model.modules())
+    """Quantized decoder-layer projections (the LM head's Q8_0 form is counted apart)."""
+    return sum(isinstance(m, QuantLinear) for name, m in runner.model.named_modules() if name != "lm_head")
 
 
 def _last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -184,7 +186,7 @@ def test_default_model_packs_every_layer_weight(bf16_runners):
     assert _packed_count(packed) == 4 * len(packed.model.layers)
     assert _packed_count(dense) == 0
     layer = packed.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.max_rows == 64
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.max_rows == 64
     assert layer.self_attn.qkv_proj.packed.out_features == 576 + 2 * 192
     assert layer.mlp.gate_up_proj.packed.out_features == 2 * 1536
 
@@ -252,7 +254,7 @@ def test_linear_falls_back_to_dense(monkeypatch):
     w, bias = blocks.dequantize().to(torch.bfloat16), torch.randn(32, generator=g).to(torch.bfloat16)
     x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
     # The int4 module, its big-batch form the plain F.linear one (its oneDNN form is pinned below).
-    q4, q4_bias = Int4Linear(packed, _dense(w, None), 4), Int4Linear(packed, _dense(w, bias), 4)
+    q4, q4_bias = QuantLinear(packed, _dense(w, None), 4), QuantLinear(packed, _dense(w, bias), 4)
     _close_to_matmul(q4(x), x, blocks.dequantize())
     torch.testing.assert_close(q4_bias(x), q4(x) + bias)
 
@@ -266,7 +268,7 @@ def test_linear_falls_back_to_dense(monkeypatch):
     fp32 = finalize_linear(_dense(w.float(), bias.float()), packed, 4)
     assert type(fp32) is DenseLinear
     assert torch.equal(fp32(x.float()), F.linear(x.float(), w.float(), bias.float()))
-    assert type(finalize_linear(_dense(w, bias), packed, 0)) is not Int4Linear  # threshold 0: no int4 form
+    assert type(finalize_linear(_dense(w, bias), packed, 0)) is not QuantLinear  # threshold 0: no int4 form
 
 
 def test_cli_flag():
@@ -297,8 +299,11 @@ def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
     packed, dense = bf16_runners
     layer = packed.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    assert all(isinstance(p, Int4Linear) and isinstance(p.big, OneDNNLinear) for p in projections)
-    assert isinstance(packed.model.lm_head, OneDNNLinear)
+    assert all(isinstance(p, QuantLinear) and isinstance(p.big, OneDNNLinear) for p in projections)
+    head = packed.model.lm_head  # the Q8_0 head (our kernel) over its prepacked form, or the latter alone
+    assert isinstance(head.big if isinstance(head, QuantLinear) else head, OneDNNLinear)
+    assert isinstance(head, QuantLinear) == cpu_quant.vectorized()
+    assert isinstance(dense.model.lm_head, OneDNNLinear)  # q4_max_tokens=0: no quantized form at all
     assert isinstance(dense.model.layers[0].mlp.down_proj, OneDNNLinear)
     fp32 = _runner(default_source, dtype="float32", q4_max_tokens=0)
     assert type(fp32.model.layers[0].self_attn.qkv_proj) is DenseLinear and type(fp32.model.lm_head) is DenseLinear

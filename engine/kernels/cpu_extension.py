@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # Compiled units; the headers (*.h) only enter the build hash.
-SOURCES = ("cpu_attention.cpp", "cpu_attention_bf16.cpp", "cpu_elementwise.cpp", "bindings.cpp")
+SOURCES = (
+    "cpu_attention.cpp",
+    "cpu_attention_bf16.cpp",
+    "cpu_elementwise.cpp",
+    "cpu_quant_gemv.cpp",
+    "cpu_decode_layers.cpp",
+    "bindings.cpp",
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 STALE_LOCK_S = 600
 

@@ -1,11 +1,17 @@
-"""GGUF 4-bit groupwise weights and their form for torch's int4pack CPU kernel.
+"""GGUF 4-bit groupwise weights and their forms for a 4-bit CPU kernel.
 
-A single-stream decode step is bound by reading the weights; torch's CPU int4 kernel reads a
-quarter of what a bf16 GEMV reads, so it wins for a few rows, while a dense bf16 matmul wins for
-many (the int4 kernel's cost grows with the rows). `linear.Int4Linear` keeps both forms and picks
-by row count; this module only knows the weights.
+A single-stream decode step is bound by reading the weights; a 4-bit kernel reads a quarter of
+what a bf16 GEMV reads, so it wins for a few rows, while a dense bf16 matmul wins for many (the
+4-bit kernel's cost grows with the rows). `linear.QuantLinear` keeps both forms and picks by row
+count; this module only knows the weights.
 
-The kernel's contract, found empirically on torch 2.13 CPU (tests/test_quant_linear.py pins it):
+Two kernels, in order of preference (`Q4Blocks.pack`):
+- ours (`TiledQ4Weight`, engine/kernels/cpu_quant.py): the blocks' own fp16 scales and offsets,
+  bandwidth-bound on one core (~35 GB/s cold on the development machine, against ~16 for
+  torch's); needs the extension built with AVX512-BF16, and K a multiple of 64.
+- torch's int4pack kernel (`PackedInt4Weight`) everywhere else it applies.
+
+torch's kernel's contract, found empirically on torch 2.13 CPU (tests/test_quant_linear.py pins it):
 
     packed = aten._convert_weight_to_int4pack_for_cpu(q, 1)  # q: int32 [N, K], codes 0..15
     y = aten._weight_int4pack_mm_for_cpu(x, packed, G, sz)   # x: contiguous 2-D [M, K]; y = x @ W.T
@@ -28,16 +34,23 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import cpu_quant
+
 GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs N in blocks of 16 rows
 CENTER = 8  # the kernel computes with (q - 8)
 
 
-def int4_kernel_available() -> bool:
+def torch_int4_kernel_available() -> bool:
     """Whether this torch build has the CPU int4pack kernels."""
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
         torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
     )
+
+
+def int4_kernel_available() -> bool:
+    """Whether some 4-bit CPU kernel is here: ours (vectorized build) or torch's int4pack."""
+    return cpu_quant.vectorized() or torch_int4_kernel_available()
 
 
 @dataclass
@@ -72,17 +85,58 @@ class Q4Blocks:
         q = torch.cat([p.q for p in parts])
         return Q4Blocks(q, torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]), group)
 
-    def pack(self) -> PackedInt4Weight | None:
-        """The kernel's form, or None when the kernel cannot take this shape (the weight stays dense)."""
+    def pack(self) -> TiledQ4Weight | PackedInt4Weight | None:
+        """The fastest kernel form this weight can take here (see the module docstring), or None
+        when no kernel can take it (the weight stays dense)."""
+        k = self.q.shape[1]
+        if cpu_quant.vectorized() and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:
+            per_block = self.group_size // cpu_quant.BLOCK  # our kernel scales every 32 weights
+            scale, offset = (t.repeat_interleave(per_block, dim=1) for t in (self.scale, self.offset))
+            if _exact_in_fp16(scale) and _exact_in_fp16(offset):
+                return TiledQ4Weight(cpu_quant.q4_pack(self.q, scale, offset), self.group_size)
+        return self.pack_torch()
+
+    def pack_torch(self) -> PackedInt4Weight | None:
+        """torch's int4pack form, or None when that kernel cannot take this shape."""
         n, k = self.q.shape
         shape_ok = n % ROW_MULTIPLE == 0 and self.group_size in GROUP_SIZES and k % self.group_size == 0
-        if not (int4_kernel_available() and shape_ok):
+        if not (torch_int4_kernel_available() and shape_ok):
             return None
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32).contiguous(), 1)
         # scale*q + offset == (q - 8)*scale + (offset + 8*scale): computed in fp32, then one rounding to bf16.
         zero = self.offset + CENTER * self.scale
         scales_zeros = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         return PackedInt4Weight(packed, scales_zeros, self.group_size, n, k)
+
+
+def _exact_in_fp16(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.to(torch.float16).float(), t.float()))
+
+
+@dataclass
+class TiledQ4Weight:
+    """A 4-bit weight in our kernel's tiled layout (engine/kernels/cpu_quant.py; bf16 inputs)."""
+
+    tiles: cpu_quant.Q4Packed
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.tiles.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.tiles.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for a bf16 x of shape [..., K]."""
+        rows = x.numel() // self.in_features
+        out = cpu_quant.q4_gemv(x.reshape(rows, self.in_features).contiguous(), self.tiles)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 @dataclass
@@ -94,6 +148,10 @@ class PackedInt4Weight:
     group_size: int
     out_features: int  # N
     in_features: int  # K
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a bf16 x of shape [..., K]."""

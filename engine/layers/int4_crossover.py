@@ -1,4 +1,4 @@
-"""Up to how many rows the int4 kernel beats the dense matmul, measured on this machine at start-up.
+"""Up to how many rows a quantized kernel beats the dense matmul, measured on this machine at start-up.
 
 Why measure instead of a constant: the crossover is where reading a quarter of the weight bytes
 (int4) stops paying for the int4 kernel's per-row unpacking, and both sides depend on the CPU: its
@@ -9,14 +9,19 @@ oneDNN-prepacked dense form; an AMX CPU's dense side is several times faster per
 bandwidth-starved many-core server's slower. A default tuned on one machine is wrong on the next,
 so the engine asks the machine (an explicit `q4_max_tokens` skips this).
 
-How: the model's own `Int4Linear` projections, the int4 kernel against the dense form each falls
-back to, at doubling row counts from 1 until the int4 side loses. The projections timed are the
-first ones whose dense weights add up to twice the last-level cache, so every pass reads its
-weights from memory as a real forward does (one layer, timed alone, would sit in the cache and
-flatter the dense side 2-3x). Each point is the minimum of a few alternating repeats (noise on a
-shared machine only ever adds time, and alternation exposes both sides to the same load); the
-answer is interpolated between the last win and the first loss. Results are cached per process
-for the same shapes and thread count. About 0.2 s for the default model.
+The 4-bit layer weights and the Q8_0 LM head (q8.py) are measured apart: different kernels.
+
+How: the model's own `QuantLinear` projections, the quantized kernel against the dense form each
+falls back to, at doubling row counts from 1 until the quantized side loses. The projections timed
+are the first ones whose quantized forms add up to twice the last-level cache, so every pass of
+either side reads its weights from memory as a real forward does (one layer, timed alone, would
+sit in the cache and flatter the dense side 2-3x; a prefix sized by the dense bytes left the 4-bit
+side cached and put the crossover at 34 rows, where a real batch of 32 decoded 15% slower than
+dense). Each point is the minimum of a few alternating repeats (noise on a shared machine only
+ever adds time, and alternation exposes both sides to the same load); the answer is interpolated
+between the last win and the first loss, where a win means beating the dense side by
+REQUIRED_WIN (see there). Results are cached per process for the same shapes and thread count.
+About 0.4 s for the default model.
 """
 
 from __future__ import annotations
@@ -28,13 +33,18 @@ from pathlib import Path
 
 import torch
 
-from engine.layers.linear import Int4Linear
+from engine.layers.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 REPEATS = 3
 BUDGET_S = 0.5  # stop doubling past this (a very large model): the last winning row count stands
+# The quantized side must beat the dense one by this fraction when timed alone to win in a real
+# forward. Default model, 2 threads, our 4-bit kernel: timed alone it won by 30% at 16 rows and 6%
+# at 32, while whole decode steps were 15% faster at 16, even at 24 and 14% slower at 32 (the
+# rest of the step's traffic costs the multi-pass small-batch kernel more than oneDNN's GEMM).
+REQUIRED_WIN = 0.2
 FALLBACK_LLC_BYTES = 64 << 20  # when the cache size cannot be read: larger than most CPUs' L3
 
 _cache: dict[tuple, int] = {}
@@ -55,12 +65,13 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=FALLBACK_LLC_BYTES)
 
 
-def cold_cache_prefix(linears: Sequence[Int4Linear]) -> list[Int4Linear]:
-    """The first projections whose bf16 dense weights reach twice the last-level cache (or all)."""
+def cold_cache_prefix(linears: Sequence[QuantLinear]) -> list[QuantLinear]:
+    """The first projections whose quantized forms (the smaller side) reach twice the last-level
+    cache (or all): then neither side's weights stay cached between passes."""
     target, total, chosen = 2 * last_level_cache_bytes(), 0, []
     for linear in linears:
         chosen.append(linear)
-        total += 2 * linear.in_features * linear.out_features
+        total += linear.packed.nbytes
         if total >= target:
             break
     return chosen
@@ -73,11 +84,11 @@ def _side_time(fns: Sequence[Callable[[torch.Tensor], torch.Tensor]], xs: Sequen
     return time.perf_counter() - start
 
 
-def measure_int4_crossover(linears: Sequence[Int4Linear]) -> int:
+def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
     """The largest row count for which the int4 kernel is faster than the dense forms, summed over
     (a cache-defeating prefix of) `linears`; 0 when the int4 kernel loses even for one row."""
     chosen = cold_cache_prefix(linears)
-    shapes = tuple((m.out_features, m.in_features, m.packed.group_size, type(m.big).__name__) for m in chosen)
+    shapes = tuple((m.out_features, m.in_features, type(m.packed).__name__, type(m.big).__name__) for m in chosen)
     key = (shapes, torch.get_num_threads())
     if key in _cache:
         return _cache[key]
@@ -98,7 +109,7 @@ def measure_int4_crossover(linears: Sequence[Int4Linear]) -> int:
             for _ in range(REPEATS):
                 t_int4 = min(t_int4, _side_time(int4_fns, xs))
                 t_dense = min(t_dense, _side_time(dense_fns, xs))
-            gain = t_dense - t_int4
+            gain = (1.0 - REQUIRED_WIN) * t_dense - t_int4
             if gain <= 0:  # the zero of the gain, linear between the last win and this loss
                 result = prev_rows + int((rows - prev_rows) * prev_gain / (prev_gain - gain)) if prev_rows else 0
                 break

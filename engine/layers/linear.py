@@ -8,10 +8,11 @@
   CPU freezing does). `F.linear` in bf16 runs the same oneDNN kernel but reorders the weight on
   every call; prepacked, a decode step's matmuls take 15-45% less time (measured on a 2-core CPU,
   batch 1 to 64) with bit-identical results.
-- `Int4Linear`: a GGUF 4-bit weight through torch's int4pack CPU kernel (int4.py) for inputs of at
-  most `max_rows` rows, where reading a quarter of the bytes wins; its dense form (`big`, one of
-  the two above) for more rows, where the int4 kernel's per-row cost loses. That row-count choice
-  is this module's job; where the crossover lies is measured at start-up (int4_crossover.py).
+- `QuantLinear`: a GGUF block-quantized weight (4-bit layer weights, int4.py; the Q8_0 LM head,
+  q8.py) through a quantized CPU kernel for inputs of at most `max_rows` rows, where reading a
+  quarter (half) of the bytes wins; its dense form (`big`, one of the two above) for more rows,
+  where the kernel's per-row cost loses. That row-count choice is this module's job; where the
+  crossover lies is measured at start-up (int4_crossover.py).
 
 `finalize_linear` turns a loaded `DenseLinear` into the module the model keeps. The dense weight
 is then referenced by nothing (a oneDNN or int4 module holds its own copy), so it is freed —
@@ -26,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.int4 import PackedInt4Weight
+from engine.layers.int4 import PackedInt4Weight, TiledQ4Weight
+from engine.layers.q8 import Q8Weight
+
+QuantWeight = TiledQ4Weight | PackedInt4Weight | Q8Weight  # each has matmul, nbytes, in/out_features
 
 
 def onednn_prepack_available() -> bool:
@@ -98,10 +102,10 @@ class OneDNNLinear(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
-class Int4Linear(nn.Module):
-    """Int4 kernel for inputs of 1..`max_rows` rows, `big` (the dense form) for any other count."""
+class QuantLinear(nn.Module):
+    """Quantized kernel for inputs of 1..`max_rows` rows, `big` (the dense form) for any other count."""
 
-    def __init__(self, packed: PackedInt4Weight, big: DenseLinear | OneDNNLinear, max_rows: int) -> None:
+    def __init__(self, packed: QuantWeight, big: DenseLinear | OneDNNLinear, max_rows: int) -> None:
         super().__init__()
         self.packed = packed
         self.big = big
@@ -121,13 +125,13 @@ class Int4Linear(nn.Module):
 
 
 def finalize_linear(
-    dense: DenseLinear, packed: PackedInt4Weight | None, q4_max_rows: int
-) -> DenseLinear | OneDNNLinear | Int4Linear:
-    """The module a loaded projection runs as: `Int4Linear` when it has a 4-bit form, the int4
-    path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernel's only fast case),
-    else its dense form (prepacked for oneDNN where that applies)."""
+    dense: DenseLinear, packed: QuantWeight | None, q4_max_rows: int
+) -> DenseLinear | OneDNNLinear | QuantLinear:
+    """The module a loaded projection runs as: `QuantLinear` when it has a quantized form, the
+    quantized path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernels' only
+    fast case), else its dense form (prepacked for oneDNN where that applies)."""
     big = OneDNNLinear.from_dense(dense) or dense
     weight = dense.weight
     if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return big
-    return Int4Linear(packed, big, q4_max_rows)
+    return QuantLinear(packed, big, q4_max_rows)

@@ -29,6 +29,7 @@ from engine.distributed.step_message import TPStep, encode
 from engine.errors import ModelLoadError
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
+from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
 from engine.model_config import ModelConfig
 from engine.model_executor.cuda_graph_runner import (
@@ -135,6 +136,10 @@ class ModelRunner:
         cascade = not args.disable_cascade_attention and self.device.type == "cpu"
         self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)
         log.info("attention backend: %s", self.attn_backend_name)
+        if not args.disable_fused_decode and self.attn_backend_name == "cpu":
+            self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache)
+            if self.model.fused_decode is not None:
+                log.info("fused C++ decode layers for <= %d tokens", self.model.fused_decode.max_rows)
         self.sampler = Sampler()
         # CPU, default threads: a forward of a few tokens leaves one core to the event loop
         # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
@@ -200,8 +205,10 @@ class ModelRunner:
         q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
         if q4:
             how = "measured" if q4_max_tokens is None else "set"
-            packed = f"{len(q4)} of {4 * cfg.num_layers} layer weights packed"
-            log.info("int4 kernel for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
+            layers = sum(name != "lm_head" for name in q4)
+            head = "Q8_0" if "lm_head" in q4 else "dense"
+            packed = f"{layers} of {4 * cfg.num_layers} layer weights packed, LM head {head}"
+            log.info("quantized kernels for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
         if model.fused:
             log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")
         return model, q4_rows

@@ -26,6 +26,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
+from engine.layers.q8 import Q8Blocks
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 stored counts in 32 bits and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -287,6 +288,33 @@ def q4_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
     return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), block_size)
 
 
+def q8_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
+    """A Q8_0 matrix's bytes (as `_read_bytes` shapes them): per 32 weights an fp16 scale d, then
+    32 int8 codes (w = d * q)."""
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+    n, k = shape
+    b = blocks.reshape(n, k // block_size, type_size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
+    return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
+
+
+# weights whose Q8_0 blocks the LM head can read (the embedding when the head is tied to it)
+_Q8_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _blocks_of(blocks: np.ndarray, info: GGUFTensorInfo, hf_name: str) -> Q4Blocks | Q8Blocks | None:
+    """The quantized blocks a kernel can read for this tensor, if any: 4-bit decoder-layer
+    matrices, and a Q8_0 embedding or LM head."""
+    if len(info.shape) != 2:
+        return None
+    if info.qtype in Q4_TYPES and hf_name.startswith("model.layers."):
+        return q4_blocks(blocks, info.qtype, info.shape)
+    if info.qtype == GGMLQuantizationType.Q8_0 and hf_name in _Q8_HEAD_NAMES:
+        return q8_blocks(blocks, info.shape)
+    return None
+
+
 def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) one at a time, in file order.
 
@@ -300,9 +328,10 @@ def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> It
 
 def iter_gguf_tensors(
     index: GGUFIndex, num_heads: int, num_kv_heads: int, *, with_q4: bool
-) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | None]]:
-    """As `iter_gguf_weights`, plus, when `with_q4`, the 4-bit blocks of each Q4_0/Q4_1 decoder-layer
-    weight matrix (same rows as the dense tensor, un-permuted alike); None for every other tensor.
+) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]]:
+    """As `iter_gguf_weights`, plus, when `with_q4`, the blocks a quantized kernel reads: 4-bit
+    blocks of each Q4_0/Q4_1 decoder-layer weight matrix (same rows as the dense tensor, un-permuted
+    alike) and the Q8_0 blocks of the embedding or LM head; None for every other tensor.
     """
     unpermute = index.architecture in _PERMUTED_ARCHS
     path = index.path
@@ -318,9 +347,7 @@ def iter_gguf_tensors(
                     continue
                 blocks = _read_bytes(f, info)
                 tensor = _dequantize(blocks, info)
-                q4 = None
-                if with_q4 and info.qtype in Q4_TYPES and len(info.shape) == 2 and hf_name.startswith("model.layers."):
-                    q4 = q4_blocks(blocks, info.qtype, info.shape)
+                q4 = _blocks_of(blocks, info, hf_name) if with_q4 else None
                 heads = None
                 if unpermute and ".self_attn.q_proj." in hf_name:
                     heads = num_heads
@@ -328,7 +355,7 @@ def iter_gguf_tensors(
                     heads = num_kv_heads
                 if heads is not None:
                     tensor = _unpermute_rotary(tensor, heads)
-                    if q4 is not None:
+                    if isinstance(q4, Q4Blocks):
                         q4 = q4.map_rows(lambda t, heads=heads: _unpermute_rotary(t, heads))
             except _Truncated as e:
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None

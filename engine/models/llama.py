@@ -26,10 +26,12 @@ from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
-from engine.layers.int4 import PackedInt4Weight, Q4Blocks
+from engine.layers.fused_decode import FusedDecodeLayers
+from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import measure_int4_crossover
-from engine.layers.linear import DenseLinear, Int4Linear, finalize_linear
+from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, finalize_linear
 from engine.layers.norm import AddRMSNorm, RMSNorm, rms_norm
+from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabEmbedding
 from engine.model_config import ModelConfig
@@ -54,7 +56,7 @@ _LAYER_PARAMS = {
 }
 _GLOBAL_PARAMS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
 
-WeightItem = tuple[str, torch.Tensor, Q4Blocks | None]
+WeightItem = tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]
 
 
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -174,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         tied = self.embed_tokens.weight if cfg.tie_word_embeddings else None
         self.lm_head = DenseLinear(cfg.hidden_size, (rows,), False, device, dtype, weight=tied)
+        # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
+        self.fused_decode: FusedDecodeLayers | None = None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
@@ -181,8 +185,13 @@ class LlamaForCausalLM(nn.Module):
         float32. Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb.cos_sin(fb.positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, fb)
+        fused = self.fused_decode
+        plan = fused.plan(fb, x.shape[0]) if fused is not None else None
+        if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
+            x = fused.forward(x, cos, sin, fb, plan)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, fb)
         if fb.forward_mode.is_prefill() and not fb.return_prompt_logits:  # verify keeps every row
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             x = x[fb.extend_start_loc + fb.extend_seq_lens - 1]
@@ -195,20 +204,26 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[WeightItem]) -> dict[str, PackedInt4Weight]:
+    def load_weights(self, weights: Iterable[WeightItem]) -> dict[str, QuantWeight]:
         """Copy Hugging Face-named tensors into the parameters; every parameter must be set.
 
-        Each item may carry the weight's 4-bit blocks (`ModelSource.iter_weights_q4`). Returns, by
-        projection name, the int4 form of each projection whose every part came with blocks (one
-        dense part, or a shape the kernel cannot take, leaves that projection dense only).
+        Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`). Returns,
+        by projection name, the quantized form of each projection whose every part came with
+        blocks (one dense part, or a shape the kernel cannot take, leaves that projection dense
+        only), and of the LM head when its weight (or the embedding it is tied to) came as Q8_0.
         """
         params = dict(self.named_parameters())
         seen: set[tuple[str, int]] = set()
         q4_parts: dict[str, dict[int, Q4Blocks | None]] = {}
-        packed: dict[str, PackedInt4Weight] = {}
+        packed: dict[str, QuantWeight] = {}
+        head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
         for name, tensor, blocks in weights:
             if self.shard.zero_bias(name):
                 tensor = torch.zeros_like(tensor)
+            if name == head_name and isinstance(blocks, Q8Blocks) and self.tp.size == 1:
+                form = blocks.pack()
+                if form is not None and form.out_features == self.lm_head.out_features:
+                    packed["lm_head"] = form
             if name in _GLOBAL_PARAMS:
                 self._copy(params[_GLOBAL_PARAMS[name]], tensor, name)
                 seen.add((_GLOBAL_PARAMS[name], 0))
@@ -228,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
                     self._load_part(prefix + path, kind, shard, tensor, name)
                     seen.add((f"{prefix}{path}.{kind}", shard))
                     if kind == "weight":
-                        self._collect_q4(prefix + path, shard, blocks, q4_parts, packed)
+                        q4 = blocks if isinstance(blocks, Q4Blocks) else None
+                        self._collect_q4(prefix + path, shard, q4, q4_parts, packed)
                 elif "rotary_emb" not in rest:
                     raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
         missing = sorted(self._expected_parts() - seen)
@@ -251,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         shard: int,
         blocks: Q4Blocks | None,
         parts: dict[str, dict[int, Q4Blocks | None]],
-        packed: dict[str, PackedInt4Weight],
+        packed: dict[str, QuantWeight],
     ) -> None:
         """Keep a part's 4-bit blocks; once every part of `path` is in, fuse them (rows in order) and pack."""
         linear = self.get_submodule(path)
@@ -287,13 +303,14 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.data.copy_(tensor)
 
-    def process_weights_after_loading(self, q4: dict[str, PackedInt4Weight], q4_max_rows: int | None) -> int:
+    def process_weights_after_loading(self, q4: dict[str, QuantWeight], q4_max_rows: int | None) -> int:
         """Give every projection its final form (linear.finalize_linear); returns the row bound
-        of the int4 path: `q4_max_rows`, or when None measured here on the model's own projections
-        (int4_crossover.py); 0 = off, and then no int4 form is kept.
+        of the quantized path: `q4_max_rows`, or when None measured here on the model's own
+        projections (int4_crossover.py; the 4-bit layers and the Q8_0 LM head apart, as their
+        kernels differ; the layers' bound is returned); 0 = off, and then no quantized form is kept.
 
         Projections are replaced one at a time, so each dense weight is freed as soon as its
-        oneDNN or int4 form exists (a tied LM head keeps the embedding table, which the lookup
+        oneDNN or quantized form exists (a tied LM head keeps the embedding table, which the lookup
         still reads).
         """
         for layer in self.layers:
@@ -306,13 +323,17 @@ class LlamaForCausalLM(nn.Module):
             dense = self.get_submodule(name)
             assert isinstance(dense, DenseLinear)
             self.set_submodule(name, finalize_linear(dense, q4.get(name), rows))
-        if measure:
-            int4 = [(name, m) for name, m in self.named_modules() if isinstance(m, Int4Linear)]
-            rows = measure_int4_crossover([m for _, m in int4]) if int4 else 0
-            for name, m in int4:
-                if rows > 0:
-                    m.max_rows = rows
-                else:  # the int4 kernel never wins here: keep only the dense form
+        if not measure:
+            return rows
+        quant = [(name, m) for name, m in self.named_modules() if isinstance(m, QuantLinear)]
+        layers = [(name, m) for name, m in quant if name != "lm_head"]
+        head = [(name, m) for name, m in quant if name == "lm_head"]
+        rows = measure_int4_crossover([m for _, m in layers]) if layers else 0
+        for group, bound in ((layers, rows), (head, measure_int4_crossover([m for _, m in head]) if head else 0)):
+            for name, m in group:
+                if bound > 0:
+                    m.max_rows = bound
+                else:  # the quantized kernel never wins here: keep only the dense form
                     self.set_submodule(name, m.big)
         return rows
 

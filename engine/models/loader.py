@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
+from engine.layers.q8 import Q8Blocks
 from engine.models.gguf_weights import (
     GGUFIndex,
     gguf_to_hf_name,
@@ -94,9 +95,10 @@ class ModelSource:
             for file in self.weight_files:
                 yield from _iter_safetensors(file, select)
 
-    def iter_weights_q4(self) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | None]]:
-        """As `iter_weights`, each tensor with its 4-bit blocks when it is a Q4_0/Q4_1 decoder-layer
-        weight matrix of a GGUF (for the packed int4 kernel), else None (always None for HF folders).
+    def iter_weights_q4(self) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]]:
+        """As `iter_weights`, each tensor with the blocks a quantized kernel reads when it is a
+        Q4_0/Q4_1 decoder-layer weight matrix or a Q8_0 embedding / LM head of a GGUF, else None
+        (always None for HF folders).
         """
         if self._gguf_index is not None:
             cfg = self.hf_config

@@ -4,6 +4,8 @@
 
 #include <vector>
 
+#include "decode_layers.h"
+
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
@@ -12,6 +14,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+bool quant_gemv_vectorized();
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                      int64_t n_out, bool vectorized);
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (out, lse) on CPU");
@@ -20,4 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a bf16 [T, 2I] gate|up slab");
   m.def("rotary", &rotary, "rotary embedding of bf16 [T, NH, D] heads");
+  m.def("quant_gemv_vectorized", &quant_gemv_vectorized, "whether q4_gemv/q8_gemv run their vector loops here");
+  // the quantized products and the fused layers release the GIL: the event loop runs meanwhile
+  m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
+  py::class_<asyncllm::DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &asyncllm::DecodeLayers::add_layer)
+      .def("num_layers", &asyncllm::DecodeLayers::num_layers)
+      .def("forward", &asyncllm::DecodeLayers::forward, "every layer of a small decode batch",
+           py::call_guard<py::gil_scoped_release>());
 }

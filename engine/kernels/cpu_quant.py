@@ -1,0 +1,81 @@
+"""Small-batch products with block-quantized weights on CPUs (csrc/cpu_quant_gemv.cpp).
+
+`y = x @ W.T` for a bf16 x of at most MAX_ROWS rows, W kept in a GGUF file's own blocks: 4-bit
+(Q4_0/Q4_1: code, fp16 scale and offset per 32 weights) or 8-bit (Q8_0: int8 code, fp16 scale).
+A decode step of a small model reads each weight once, so its time is the bytes it reads over the
+memory bandwidth; these loops unpack so cheaply that the read is the bound (torch's int4pack
+kernel is compute-bound at ~40% of one core's bandwidth on the development machine).
+
+The layers use them only where the vector loops were compiled (`vectorized()`: AVX512-BF16 and
+AVX512-BW); elsewhere the int4 layers keep torch's int4pack kernel and the LM head stays dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels.cpu_extension import load, module_or_raise
+
+__all__ = ["BLOCK", "CHUNK", "MAX_ROWS", "TILE", "Q4Packed", "q4_gemv", "q4_pack", "q8_gemv", "vectorized"]
+
+BLOCK = 32  # weights per scale
+CHUNK = 64  # weights per 32 packed bytes: K must be a multiple of this
+MAX_ROWS = 8  # rows of x per call
+TILE = 16  # 4-bit rows per tile (one per fp32 lane)
+
+
+def vectorized() -> bool:
+    """Whether the extension is built and runs these products with vector instructions here."""
+    module = load()
+    return module is not None and bool(module.quant_gemv_vectorized())
+
+
+@dataclass(frozen=True)
+class Q4Packed:
+    """A 4-bit weight in the kernel's layout (csrc/cpu_quant_gemv.cpp): rows in tiles of TILE,
+    codes uint8 [T, K/32, 8, 32], fp16 scales and offsets [T, K/32, TILE]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int  # N (the last tile's rows past N are zero padding)
+    in_features: int  # K
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+
+def q4_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed:
+    """W[n, k] = scale[n, k/32] * q[n, k] + offset[n, k/32] (q: codes 0..15 [N, K]; scale and
+    offset exactly representable in fp16, as a GGUF file's are) -> the kernel's layout."""
+    n, k = q.shape
+    if k % CHUNK:
+        raise ValueError(f"4-bit rows must be a multiple of {CHUNK} wide, got {k}")
+    tiles, nb = -(-n // TILE), k // BLOCK
+    pad = tiles * TILE - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
+    # [T, 16 rows, nb, 2 halves of the pairs, 8 pairs, 2] -> [T, nb, 8 pairs, 2 halves, 16 rows, 2]
+    q = q.view(tiles, TILE, nb, 2, 8, 2).permute(0, 2, 4, 3, 1, 5)
+    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(tiles, nb, 8, 2 * TILE).contiguous()
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        half = t.to(torch.float16)
+        if not torch.equal(half.float(), t.float()):
+            raise ValueError("4-bit scales and offsets must be exact in fp16")
+        return torch.nn.functional.pad(half, (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
+
+    return Q4Packed(codes, per_tile(scale), per_tile(offset), n, k)
+
+
+def q4_gemv(x: torch.Tensor, w: Q4Packed, vector: bool = True) -> torch.Tensor:
+    """bf16 `[M, K] @ W.T` -> `[M, N]`. `vector=False` runs the plain loops (the tests' reference)."""
+    return module_or_raise().q4_gemv(x, w.codes, w.scales, w.offsets, w.out_features, vector)
+
+
+def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, vector: bool = True) -> torch.Tensor:
+    """bf16 `[M, K] @ W.T` -> `[M, N]`, W[n, k] = scales[n, k/32] * codes[n, k] (Q8_0).
+    `vector=False` runs the plain loops (the tests' reference)."""
+    return module_or_raise().q8_gemv(x, codes, scales, vector)

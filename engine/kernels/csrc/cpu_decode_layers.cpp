@@ -1,0 +1,77 @@
+// Every decoder layer of a small decode batch in one C++ call (engine/layers/fused_decode.py).
+//
+// Why: after the 4-bit GEMVs (cpu_quant_gemv.cpp) made a bs-1 step's weight reads cheap, the
+// Python between the ops was a third of the step: ~14 calls per layer, each an interpreter
+// dispatch, a pybind crossing and tensor wrapping, on the one core the forward has. This runs the
+// same C++ kernels in the same order with the same arguments as the Python layers do (RMSNorm,
+// q|k|v GEMV, rotary, K/V store, paged decode attention, o GEMV, residual add + RMSNorm, gate|up
+// GEMV, SiLU-and-mul, down GEMV, residual add), so its results are bit-identical to them, and it
+// runs with the GIL released: the event loop's thread gets the interpreter for the whole step.
+//
+// Scope (checked on the Python side): Llama-style layers with no biases and no q/k norm, bf16,
+// every projection 4-bit, the fused elementwise kernels, the kernel decode attention, one rank.
+
+#include "decode_layers.h"
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                                            torch::Tensor slots, torch::Tensor lens, double scale);
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                      int64_t n_out, bool vectorized);
+
+namespace asyncllm {
+
+namespace {
+
+Q4Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features) {
+  TORCH_CHECK(parts.size() == 3, "a 4-bit projection is (codes, scales, offsets)");
+  return Q4Projection{parts[0], parts[1], parts[2], out_features};
+}
+
+torch::Tensor gemv(const torch::Tensor& x, const Q4Projection& w) {
+  return q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+}
+
+}  // namespace
+
+DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scaling_(scaling) {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0, "head shapes");
+}
+
+void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out,
+                             std::vector<torch::Tensor> o, int64_t o_out, torch::Tensor post_norm,
+                             std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
+                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer) {
+  TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
+  TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
+  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == num_kv_heads_ && k_buffer.size(2) == head_dim_ &&
+                  v_buffer.sizes() == k_buffer.sizes(),
+              "KV buffers [S, KVH, D]");
+  layers_.push_back(DecodeLayer{input_norm, post_norm, projection(qkv, qkv_out), projection(o, o_out),
+                                projection(gate_up, gate_up_out), projection(down, down_out), k_buffer, v_buffer});
+}
+
+torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                    torch::Tensor out_cache_loc, torch::Tensor slots, torch::Tensor lens) const {
+  const int64_t t = x.size(0), h = num_heads_, kvh = num_kv_heads_, d = head_dim_;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_cache_loc.numel() == t, "x [T, hidden], one slot per token");
+  for (const DecodeLayer& layer : layers_) {
+    const torch::Tensor qkv = gemv(rms_norm(x, layer.input_norm, eps_), layer.qkv);
+    // q and k are adjacent: rotate them as one [T, H + KVH, D] slab (as LlamaAttention does)
+    const torch::Tensor qk = rotary(qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d}), cos, sin);
+    const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
+    layer.k_buffer.index_put_({out_cache_loc}, qk.narrow(1, h, kvh));
+    layer.v_buffer.index_put_({out_cache_loc}, v);
+    const torch::Tensor attn =
+        decode_attention(qk.narrow(1, 0, h).contiguous(), layer.k_buffer, layer.v_buffer, slots, lens, scaling_)[0];
+    const torch::Tensor normed = add_rms_norm_(x, gemv(attn.view({t, h * d}), layer.o), layer.post_norm, eps_);
+    x = x + gemv(silu_mul(gemv(normed, layer.gate_up)), layer.down);
+  }
+  return x;
+}
+
+}  // namespace asyncllm

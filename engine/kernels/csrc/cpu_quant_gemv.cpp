@@ -1,0 +1,338 @@
+// Block-quantized matrix-vector products for small batches on CPUs: y = x @ W.T with W kept in a
+// GGUF file's own blocks (4-bit Q4_0/Q4_1, 8-bit Q8_0), x bf16 [M, K] with M a handful of rows.
+//
+// Why: a decode step of a small model reads every weight once per step, so it is bound by memory
+// bandwidth; torch's int4pack CPU kernel unpacks each weight to fp32 and reaches ~16 GB/s on one
+// core of the development machine (its read bandwidth is ~40 GB/s), and the bf16 LM head reads
+// twice the bytes of the file's Q8_0 table. These loops unpack with few instructions per weight
+// so the read of the blocks is the bound.
+//
+// 4-bit layout (cpu_quant.q4_pack): rows in tiles of 16, one row per fp32 lane, so a tile's 16
+// outputs accumulate in one vector and need no horizontal sums. For tile t, 32-weight block b and
+// pair index j (weights 2j, 2j+1 of the block), the 16 rows' pairs are 32 codes; pairs j and j+8
+// share 32 bytes (low and high nibbles), stored at codes[t][b][j][0..31] (byte 2i+e: row i, weight
+// 2j+e). One 32-byte load widened to 16-bit lanes gives both after one mask and one shift. A code c
+// becomes the bf16 number 128 + c by OR-ing in 0x4300 (bf16 has 8 significant bits, so 128..255
+// are exact), and AVX512-BF16's dot product multiplies it exactly by the broadcast pair of x and
+// sums in fp32: 16 dot products give each row's block sum S_b = sum_j (128 + q_j) x_j, and
+//   sum_j (d q_j + m) x_j = d * S_b + (m - 128 d) * sum_j x_j
+// costs two FMAs per block for all 16 rows. Scales d and offsets m stay fp16, exactly as the file
+// stores them (Q4_0's m = -8 d is exact too), laid out [t][b][16 rows].
+//
+// 8-bit layout: the Q8_0 codes int8 [N, K] and fp16 scales [N, K/32]: each 16 codes widen to
+// int32, convert to fp32 exactly and meet x (fp32) in an FMA; one more FMA applies the block scale.
+//
+// Both accumulate in fp32 and round the result to bf16 once. Without AVX512-BF16 (q4) or AVX-512
+// (q8) the same arithmetic runs as plain loops: correct everywhere, fast where the engine uses it
+// (`quant_gemv_vectorized()` tells the Python side which).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+
+#include "vec.h"
+
+using bf16 = c10::BFloat16;
+using fp16 = c10::Half;
+
+namespace {
+
+constexpr int64_t kBlock = 32;    // weights per scale
+constexpr int64_t kChunk = 64;    // weights per 32 packed bytes (two blocks)
+constexpr int kMaxRows = 8;       // rows of x per pass over the weights (more rows: more passes)
+constexpr int64_t kMaxBlocks = 1024;  // K / 32 bound (K <= 32768): the block-sum and scale tables
+// Software prefetch distance along the weights: without it a cold (DRAM) read of the Q8_0 LM head
+// ran at ~20 GB/s on one core, with 8 KB ahead at ~38 GB/s (4 KB: 34, 16 KB: 37).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// sum of x over each 32-wide block, fp32: sx[m * nb + b]
+void block_sums(const bf16* x, int64_t m_rows, int64_t k, float* sx) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < kBlock; ++j) s += static_cast<float>(x[m * k + b * kBlock + j]);
+      sx[m * nb + b] = s;
+    }
+}
+
+void check_x(const torch::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, op, ": x must be bf16 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, op, ": x must be contiguous [M, K]");
+  TORCH_CHECK(x.size(0) >= 1, op, ": at least one row");
+  TORCH_CHECK(k % kChunk == 0 && k / kBlock <= kMaxBlocks, op, ": K must be a multiple of 64, at most 32768");
+}
+
+// ---- 4-bit ----------------------------------------------------------------------------------
+
+constexpr int64_t kTile = 16;        // rows per tile (one per fp32 lane)
+constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block (16 rows x 32 codes / 2)
+
+// Plain loops over the same layout: the reference arithmetic (also the fallback without
+// AVX512-BF16).
+void q4_rows_scalar(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
+                    const fp16* scales, const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = codes + (t * nb + b) * kTileBlock;
+          float s = 0.0f;
+          for (int64_t w = 0; w < kBlock; ++w) {
+            const int64_t j = w / 2, e = w % 2;
+            const uint8_t byte = block[(j % 8) * 32 + 2 * i + e];
+            const int code = j >= 8 ? byte >> 4 : byte & 15;
+            s += static_cast<float>(x[m * k + b * kBlock + w]) * static_cast<float>(code);
+          }
+          const int64_t at = (t * nb + b) * kTile + i;
+          acc += static_cast<float>(scales[at]) * s + static_cast<float>(offsets[at]) * sx[m * nb + b];
+        }
+        y[m * n_out + t * kTile + i] = static_cast<bf16>(acc);
+      }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kQ4Vectorized = true;
+
+inline __m512bh pair_of(const bf16* p) {  // x[p], x[p + 1] in every 32-bit lane
+  int32_t both;
+  std::memcpy(&both, p, sizeof(both));
+  return (__m512bh)_mm512_set1_epi32(both);
+}
+
+// One tile (16 rows) against M rows of x, B blocks per step: every (m, block) pair has two
+// independent dot-product chains (low and high nibbles), enough to hide the dot product's latency.
+template <int M, int B>
+void q4_tile(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
+             const fp16* offsets, bf16* y, int64_t n_out, int64_t t) {
+  const int64_t nb = k / kBlock;
+  const __m512i low = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  auto finish_block = [&](int64_t b, __m512 (&s)[M]) {
+    const int64_t at = (t * nb + b) * kTile;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + at)));
+    const __m512 off = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), o);
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm512_fmadd_ps(s[m], d, acc[m]);
+      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
+    }
+  };
+  for (int64_t b = 0; b < nb; b += B) {  // nb is even: K is a multiple of 64
+    __m512 lo_sum[B][M], hi_sum[B][M];
+    for (int u = 0; u < B; ++u)
+      for (int m = 0; m < M; ++m) lo_sum[u][m] = hi_sum[u][m] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; ++j)
+      for (int u = 0; u < B; ++u) {
+        const uint8_t* p = codes + ((t * nb + b + u) * 8 + j) * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 0xF) | 0x4300
+        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+        for (int m = 0; m < M; ++m) {
+          const bf16* xb = x + m * k + (b + u) * kBlock;
+          lo_sum[u][m] = _mm512_dpbf16_ps(lo_sum[u][m], pair_of(xb + 2 * j), lo);
+          hi_sum[u][m] = _mm512_dpbf16_ps(hi_sum[u][m], pair_of(xb + 2 * j + 16), hi);
+        }
+      }
+    for (int u = 0; u < B; ++u) {
+      __m512 s[M];
+      for (int m = 0; m < M; ++m) s[m] = _mm512_add_ps(lo_sum[u][m], hi_sum[u][m]);
+      finish_block(b + u, s);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTile, n_out - t * kTile);
+  const __mmask16 mask = live == kTile ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+  for (int m = 0; m < M; ++m)  // round to nearest even, 16 rows per instruction
+    _mm256_mask_storeu_epi16(y + m * n_out + t * kTile, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+template <int M>
+void q4_tiles(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
+              const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  constexpr int B = M <= 2 ? 2 : 1;  // keep 2*B*M chains and M accumulators in registers
+  for (int64_t t = t0; t < t1; ++t) q4_tile<M, B>(x, sx, k, codes, scales, offsets, y, n_out, t);
+}
+
+void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const fp16* scales,
+             const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  switch (m_rows) {
+#define Q4_CASE(M) \
+  case M: return q4_tiles<M>(x, sx, k, codes, scales, offsets, y, n_out, t0, t1);
+    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
+#undef Q4_CASE
+  }
+}
+#else
+constexpr bool kQ4Vectorized = false;
+
+void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const fp16* scales,
+             const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  q4_rows_scalar(x, sx, m_rows, k, codes, scales, offsets, y, n_out, t0, t1);
+}
+#endif
+
+// ---- 8-bit ----------------------------------------------------------------------------------
+
+void q8_rows_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
+                    int64_t n_total, int64_t n0, int64_t n1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < kBlock; ++j)
+          s += x[m * k + b * kBlock + j] * static_cast<float>(codes[n * k + b * kBlock + j]);
+        acc += static_cast<float>(scales[n * nb + b]) * s;
+      }
+      y[m * n_total + n] = static_cast<bf16>(acc);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kQ8Vectorized = true;
+
+template <int M, int R>
+void q8_tile(const float* x, int64_t k, const int8_t* codes, const fp16* scales, bf16* y, int64_t n_total,
+             int64_t n) {
+  const int64_t nb = k / kBlock;
+  alignas(64) float ds[R][kMaxBlocks];
+  __m512 acc[M][R];
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; b += 16) {  // fp16 scales to fp32, 16 per instruction
+      const __mmask16 live = b + 16 <= nb ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+      _mm512_store_ps(ds[r] + b, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scales + (n + r) * nb + b)));
+    }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w0[R], w1[R], d[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* p = codes + (n + r) * k + b * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+      w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      d[r] = _mm512_set1_ps(ds[r][b]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 x0 = _mm512_loadu_ps(x + m * k + b * kBlock), x1 = _mm512_loadu_ps(x + m * k + b * kBlock + 16);
+      for (int r = 0; r < R; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(w1[r], x1, _mm512_mul_ps(w0[r], x0)), d[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * n_total + n + r] = static_cast<bf16>(_mm512_reduce_add_ps(acc[m][r]));
+}
+
+template <int M>
+void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const fp16* scales, bf16* y, int64_t n_total,
+               int64_t n0, int64_t n1) {
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, scales, y, n_total, n);
+  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, scales, y, n_total, n);
+}
+
+void q8_rows(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
+             int64_t n_total, int64_t n0, int64_t n1) {
+  switch (m_rows) {
+#define Q8_CASE(M) \
+  case M: return q8_rows_m<M>(x, k, codes, scales, y, n_total, n0, n1);
+    Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8)
+#undef Q8_CASE
+  }
+}
+#else
+constexpr bool kQ8Vectorized = false;
+
+void q8_rows(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
+             int64_t n_total, int64_t n0, int64_t n1) {
+  q8_rows_scalar(x, m_rows, k, codes, scales, y, n_total, n0, n1);
+}
+#endif
+
+// Output rows (q8) or tiles (q4) per parallel task: ~256 KB of weights, so a decode step's
+// projections split across threads while a single-threaded forward runs them inline.
+int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1)); }
+
+void check_blocks(const torch::Tensor& codes, const torch::Tensor& scales, int64_t n, int64_t nb, const char* op) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.is_contiguous() && codes.dim() == 2, op, ": codes [N, *] on the CPU");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == nb,
+              op, ": fp16 scales [N, K/32]");
+}
+
+void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+              const torch::Tensor& offsets, int64_t n_out, const char* op) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+                  codes.dim() == 4 && codes.size(2) == 8 && codes.size(3) == 32,
+              op, ": codes uint8 [T, K/32, 8, 32]");
+  const int64_t tiles = codes.size(0), nb = codes.size(1);
+  TORCH_CHECK(n_out > (tiles - 1) * kTile && n_out <= tiles * kTile, op, ": n_out must fill the last tile");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                    t->size(1) == nb && t->size(2) == kTile,
+                op, ": fp16 scales and offsets [T, K/32, 16]");
+  check_x(x, nb * kBlock, op);
+}
+
+}  // namespace
+
+bool quant_gemv_vectorized() { return kQ4Vectorized && kQ8Vectorized; }
+
+// y [M, n_out] bf16 = x [M, K] @ W.T, W in q4_pack's layout: codes uint8 [T, K/32, 8, 32], fp16
+// scales and offsets [T, K/32, 16] (T = ceil(n_out / 16) tiles; rows past n_out are padding).
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                      int64_t n_out, bool vectorized) {
+  check_q4(x, codes, scales, offsets, n_out, "q4_gemv");
+  const int64_t tiles = codes.size(0), k = codes.size(1) * kBlock, rows = x.size(0);
+  auto y = torch::empty({rows, n_out}, x.options());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  const auto* op = offsets.data_ptr<at::Half>();
+  float sx[kMaxRows * kMaxBlocks];
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
+    const bf16* xp = x.data_ptr<bf16>() + m0 * k;
+    bf16* yp = y.data_ptr<bf16>() + m0 * n_out;
+    block_sums(xp, m_rows, k, sx);
+    if (!vectorized) {
+      q4_rows_scalar(xp, sx, m_rows, k, cp, sp, op, yp, n_out, 0, tiles);
+      continue;
+    }
+    at::parallel_for(0, tiles, grain(kTile * k / 2), [&](int64_t t0, int64_t t1) {
+      q4_rows(xp, sx, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
+    });
+  }
+  return y;
+}
+
+// y [M, N] bf16 = x [M, K] @ W.T, W = Q8_0 blocks (codes int8 [N, K], fp16 scales [N, K/32]).
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized) {
+  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0), nb = k / kBlock;
+  check_x(x, k, "q8_gemv");
+  TORCH_CHECK(codes.scalar_type() == torch::kChar, "q8_gemv: int8 codes");
+  check_blocks(codes, scales, n, nb, "q8_gemv");
+  auto y = torch::empty({rows, n}, x.options());
+  const auto xf = x.to(torch::kFloat);
+  const auto* cp = codes.data_ptr<int8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
+    const float* xp = xf.data_ptr<float>() + m0 * k;
+    bf16* yp = y.data_ptr<bf16>() + m0 * n;
+    if (!vectorized) {
+      q8_rows_scalar(xp, m_rows, k, cp, sp, yp, n, 0, n);
+      continue;
+    }
+    at::parallel_for(0, n, grain(k), [&](int64_t n0, int64_t n1) { q8_rows(xp, m_rows, k, cp, sp, yp, n, n0, n1); });
+  }
+  return y;
+}

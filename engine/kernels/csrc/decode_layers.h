@@ -1,0 +1,40 @@
+// A model's decoder layers for small decode batches, run as one C++ call (cpu_decode_layers.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace asyncllm {
+
+// One 4-bit projection in cpu_quant_gemv.cpp's tiled layout.
+struct Q4Projection {
+  torch::Tensor codes, scales, offsets;
+  int64_t out_features;
+};
+
+struct DecodeLayer {
+  torch::Tensor input_norm, post_norm;
+  Q4Projection qkv, o, gate_up, down;
+  torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
+};
+
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
+  void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
+                 int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
+                 std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer);
+  // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
+  // out_cache_loc [T] int64 (where each token's K/V go); slots [T, L], lens [T] int64.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor out_cache_loc,
+                        torch::Tensor slots, torch::Tensor lens) const;
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scaling_;
+  std::vector<DecodeLayer> layers_;
+};
+
+}  // namespace asyncllm

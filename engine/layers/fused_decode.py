@@ -1,0 +1,101 @@
+"""Every decoder layer of a small decode batch as one C++ call (csrc/cpu_decode_layers.cpp).
+
+Why: once the 4-bit GEMVs read the weights at the memory's speed, a bs-1 decode step of the
+default model was ~5.3 ms of which ~1.7 ms was the Python between ~420 kernel calls (30 layers),
+all on the one core a small forward has. The C++ loop calls the same kernels in the same order
+with the same arguments, so its output is bit-identical to the Python layers (tests pin it), and
+it releases the GIL for the whole step, so the event loop's thread (scheduling, detokenizing,
+streaming) runs beside it instead of waiting between ops.
+
+When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
+one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers (no biases, no q/k
+norm, SiLU), every projection in our 4-bit form, and a bf16 KV pool. Each forward then takes it
+when it is a decode of at most the projections' row bound whose attention plan is the plain
+kernel decode (cascade plans for shared prefixes keep the Python layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.cache.memory_pool import KVCache
+from engine.kernels import cpu_extension
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan
+from engine.layers.int4 import TiledQ4Weight
+from engine.layers.linear import QuantLinear
+from engine.model_executor.forward_batch_info import ForwardBatch
+
+
+def _tiled(module: Any) -> TiledQ4Weight | None:
+    if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight) and module.bias is None:
+        return module.packed
+    return None
+
+
+class FusedDecodeLayers:
+    """The C++ layer loop of one model over its KV pool; see the module docstring."""
+
+    def __init__(self, native: Any, max_rows: int) -> None:
+        self.native = native
+        self.max_rows = max_rows
+
+    @classmethod
+    def build(cls, model: Any, pool: KVCache) -> FusedDecodeLayers | None:
+        """The fused loop for `model` (a models.llama.LlamaForCausalLM: the type would import back
+        up) over `pool`, or None where it does not apply."""
+        module = cpu_extension.load()
+        cfg = model.cfg
+        if module is None or not hasattr(module, "DecodeLayers") or model.tp.size != 1 or not model.fused:
+            return None
+        if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
+            return None
+        layers = model.layers
+        forms: list[list[TiledQ4Weight]] = []
+        bounds = set()
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            tiled = [_tiled(p) for p in projections]
+            if attn.qk_norm is not None or not isinstance(mlp.act_fn, SiluAndMul) or None in tiled:
+                return None
+            forms.append([t for t in tiled if t is not None])
+            bounds |= {p.max_rows for p in projections if isinstance(p, QuantLinear)}
+        if len(bounds) != 1:
+            return None
+        native = module.DecodeLayers(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5
+        )
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
+            native.add_layer(
+                layer.input_layernorm.weight,
+                *_parts(qkv),
+                *_parts(o),
+                layer.post_attention_layernorm.weight,
+                *_parts(gate_up),
+                *_parts(down),
+                pool.k_buffer[i],
+                pool.v_buffer[i],
+            )
+        return cls(native, bounds.pop())
+
+    def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | None:
+        """This forward's kernel decode plan when the fused loop takes it, else None."""
+        if not fb.forward_mode.is_decode() or num_tokens > self.max_rows:
+            return None
+        backend = fb.attn_backend
+        plan = backend.plan if isinstance(backend, CpuAttnBackend) else None
+        return plan if isinstance(plan, KernelDecodePlan) else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, plan: KernelDecodePlan
+    ) -> torch.Tensor:
+        """Every layer over the residual stream `x` (updated in place): the last layer's output."""
+        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens)
+
+
+def _parts(w: TiledQ4Weight) -> tuple[list[torch.Tensor], int]:
+    tiles = w.tiles
+    return [tiles.codes, tiles.scales, tiles.offsets], tiles.out_features

@@ -1,0 +1,71 @@
+"""The fused C++ decode layers (engine/layers/fused_decode.py, csrc/cpu_decode_layers.cpp).
+
+Pinned here: every fused forward's output is bit-identical to the Python layers' on the same
+input and KV state (checked on each call of a real continuous batch with overlap, requests joining
+and leaving, batches above the row bound taking the Python path in between); the fused path is
+taken where the issue's single stream runs (the default model in bf16 through `Engine`'s
+defaults) and is off where it must be (fp32, the 4-bit path off, the flag, the torch backend).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SyncScheduler
+from engine.kernels import cpu_quant
+from engine.layers.fused_decode import FusedDecodeLayers
+from engine.model_executor.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.server_args import ServerArgs
+
+pytestmark = pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no fused decode layers")
+
+
+def _runner(source, **kw) -> ModelRunner:
+    args = dict(device="cpu", dtype="bfloat16", max_total_tokens=2048, max_running_requests=8, q4_max_tokens=4)
+    return ModelRunner(ServerArgs(**(args | kw)), source)
+
+
+def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, default_tokenizer, monkeypatch):
+    runner = _runner(default_source)
+    model = runner.model
+    assert model.fused_decode is not None and model.fused_decode.max_rows == 4
+    fused_forward = FusedDecodeLayers.forward
+    rows_seen: list[int] = []
+
+    def checked(self, x, cos, sin, fb, plan):
+        reference = x.clone()
+        for layer in model.layers:  # writes the same K/V the fused loop writes next
+            reference = layer(reference, cos, sin, fb)
+        out = fused_forward(self, x, cos, sin, fb, plan)
+        assert torch.equal(out, reference)
+        rows_seen.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
+    texts = ["The lighthouse keeper climbed", "def fibonacci(n):", "1, 2, 3,", "Dear diary, today", "Once upon"]
+    prompts = [default_tokenizer.encode(t) for t in texts]
+    sched = SyncScheduler(runner)
+    lengths = [24, 6, 14, 30, 9]
+    reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    sched.run_until_idle(overlap=True)
+    assert [len(r.output_ids) for r in reqs] == lengths
+    assert 1 in rows_seen and max(rows_seen) == 4  # five requests decode unfused until one leaves
+    sched.scheduler.check_memory()
+
+    plain = _runner(default_source, disable_fused_decode=True)
+    assert plain.model.fused_decode is None
+    sched = SyncScheduler(plain)
+    again = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    sched.run_until_idle(overlap=True)
+    assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
+
+
+def test_fused_path_only_where_it_applies(default_source):
+    assert _runner(default_source, dtype="float32").model.fused_decode is None
+    assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None
+    assert _runner(default_source, attention_backend="torch").model.fused_decode is None
+    measured = _runner(default_source, q4_max_tokens=None)  # the defaults: the bound is measured
+    fused = measured.model.fused_decode
+    assert fused is not None and fused.max_rows == measured.q4_max_tokens >= 1
