@@ -69,3 +69,36 @@ def test_fused_path_only_where_it_applies(default_source):
     measured = _runner(default_source, q4_max_tokens=None)  # the defaults: the bound is measured
     fused = measured.model.fused_decode
     assert fused is not None and fused.max_rows == measured.q4_max_tokens >= 1
+
+
+def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source, default_tokenizer, monkeypatch):
+    """A verify forward attends each draft position through the decode kernel (attention_cpu.
+    per_token_decode_plan) and the head keeps its Q8_0 form for the verify rows, so with n-gram
+    speculation the greedy output is the plain decode's, token for token; the verify forwards
+    take the fused loop (bit-identical to the Python layers, checked on every call)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    prompt = default_tokenizer.encode(text)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    plain = SyncScheduler(_runner(default_source)).generate([prompt], params)[0].output_ids
+
+    runner = _runner(default_source, speculative_algorithm="NGRAM")
+    model = runner.model
+    assert model.lm_head.max_rows >= 5  # the verify rows of one request take the decode's head
+    fused_forward = FusedDecodeLayers.forward
+    modes: list[str] = []
+
+    def checked(self, x, cos, sin, fb, plan):
+        reference = x.clone()
+        for layer in model.layers:
+            reference = layer(reference, cos, sin, fb)
+        out = fused_forward(self, x, cos, sin, fb, plan)
+        assert torch.equal(out, reference)
+        modes.append(fb.forward_mode.name)
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
+    sched = SyncScheduler(runner)
+    spec = sched.generate([prompt], params)[0].output_ids
+    assert spec == plain
+    assert "TARGET_VERIFY" in modes
+    sched.scheduler.check_memory()

@@ -87,4 +87,19 @@ class CpuAttnBackend(PlannedAttnBackend):
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
         max_seq = max(p + e for p, e in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_seq].to(torch.int64)
+        if fb.forward_mode.is_verify():
+            self.plan = per_token_decode_plan(self.layout, pool, rows, fb)
+            return
         self.plan = KernelExtendPlan(self.layout, pool, rows, fb.extend_prefix_lens, fb.extend_seq_lens)
+
+
+def per_token_decode_plan(layout: HeadLayout, pool: KVCache, rows: torch.Tensor, fb: ForwardBatch) -> KernelDecodePlan:
+    """A speculative verify's causal attention as one decode query per token: token i of a
+    request attends its row's first prefix + i + 1 slots through the decode kernel, so each
+    verified position's logits are bit-identical to what a plain decode step computes there (the
+    extend kernel sums in another order, and a near-tie could then pick another token: greedy
+    output must not change with speculation). Costs a re-read of the context per draft token."""
+    prefix, new = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+    owner = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
+    lens = [p + i + 1 for p, n in zip(prefix, new) for i in range(n)]
+    return KernelDecodePlan(layout, pool, rows[owner].contiguous(), torch.tensor(lens, dtype=torch.int64))

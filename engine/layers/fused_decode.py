@@ -1,4 +1,4 @@
-"""Every decoder layer of a small decode batch as one C++ call (csrc/cpu_decode_layers.cpp).
+"""Every decoder layer of a small forward as one C++ call (csrc/cpu_decode_layers.cpp).
 
 Why: once the 4-bit GEMVs read the weights at the memory's speed, a bs-1 decode step of the
 default model was ~5.3 ms of which ~1.7 ms was the Python between ~420 kernel calls (30 layers),
@@ -10,8 +10,9 @@ streaming) runs beside it instead of waiting between ops.
 When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
 one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers (no biases, no q/k
 norm, SiLU), every projection in our 4-bit form, and a bf16 KV pool. Each forward then takes it
-when it is a decode of at most the projections' row bound whose attention plan is the plain
-kernel decode (cascade plans for shared prefixes keep the Python layers).
+when it has at most the projections' row bound of tokens and its attention plan is the plain
+kernel decode or extend (a decode step, a speculative verify, a short prefill; cascade plans for
+shared prefixes keep the Python layers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from engine.cache.memory_pool import KVCache
 from engine.kernels import cpu_extension
 from engine.layers.activation import SiluAndMul
-from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan
+from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import QuantLinear
 from engine.model_executor.forward_batch_info import ForwardBatch
@@ -81,19 +82,27 @@ class FusedDecodeLayers:
             )
         return cls(native, bounds.pop())
 
-    def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | None:
-        """This forward's kernel decode plan when the fused loop takes it, else None."""
-        if not fb.forward_mode.is_decode() or num_tokens > self.max_rows:
+    def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
+        """This forward's kernel attention plan when the fused loop takes the forward (at most
+        `max_rows` tokens, the plain kernel decode or extend plan), else None."""
+        if num_tokens > self.max_rows:
             return None
         backend = fb.attn_backend
         plan = backend.plan if isinstance(backend, CpuAttnBackend) else None
-        return plan if isinstance(plan, KernelDecodePlan) else None
+        return plan if isinstance(plan, (KernelDecodePlan, KernelExtendPlan)) else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch, plan: KernelDecodePlan
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fb: ForwardBatch,
+        plan: KernelDecodePlan | KernelExtendPlan,
     ) -> torch.Tensor:
         """Every layer over the residual stream `x` (updated in place): the last layer's output."""
-        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens)
+        if isinstance(plan, KernelDecodePlan):
+            return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None)
+        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens)
 
 
 def _parts(w: TiledQ4Weight) -> tuple[list[torch.Tensor], int]:

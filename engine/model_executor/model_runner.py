@@ -31,6 +31,7 @@ from engine.layers.attention_backend import check_attention_backend, create_atte
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
+from engine.layers.linear import QuantLinear
 from engine.model_config import ModelConfig
 from engine.model_executor.cuda_graph_runner import (
     DecodeGraphRunner,
@@ -203,11 +204,16 @@ class ModelRunner:
         # torch.set_num_threads on a second thread slowed every later forward on the device
         # stream's thread by ~1.5x (bf16 decode at batch 64: 52 -> 77 ms, bench.offline W2).
         q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
+        head = model.lm_head
+        if self.args.speculative_algorithm is not None and isinstance(head, QuantLinear) and head.max_rows > 0:
+            # a single stream's verify rows take the decode's head: the same logits with and without
+            # speculation (Q8_0 at 5 rows is on par with dense: 1.9 vs 2.0 ms on one core)
+            head.max_rows = max(head.max_rows, self.args.speculative_num_draft_tokens + 1)
         if q4:
             how = "measured" if q4_max_tokens is None else "set"
             layers = sum(name != "lm_head" for name in q4)
-            head = "Q8_0" if "lm_head" in q4 else "dense"
-            packed = f"{layers} of {4 * cfg.num_layers} layer weights packed, LM head {head}"
+            head_form = "Q8_0" if "lm_head" in q4 else "dense"
+            packed = f"{layers} of {4 * cfg.num_layers} layer weights packed, LM head {head_form}"
             log.info("quantized kernels for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
         if model.fused:
             log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")

@@ -1,15 +1,17 @@
-// Every decoder layer of a small decode batch in one C++ call (engine/layers/fused_decode.py).
+// Every decoder layer of a small decode batch (or a small extend, such as a speculative verify) in
+// one C++ call (engine/layers/fused_decode.py).
 //
 // Why: after the 4-bit GEMVs (cpu_quant_gemv.cpp) made a bs-1 step's weight reads cheap, the
 // Python between the ops was a third of the step: ~14 calls per layer, each an interpreter
 // dispatch, a pybind crossing and tensor wrapping, on the one core the forward has. This runs the
 // same C++ kernels in the same order with the same arguments as the Python layers do (RMSNorm,
 // q|k|v GEMV, rotary, K/V store, paged decode attention, o GEMV, residual add + RMSNorm, gate|up
-// GEMV, SiLU-and-mul, down GEMV, residual add), so its results are bit-identical to them, and it
-// runs with the GIL released: the event loop's thread gets the interpreter for the whole step.
+// GEMV, SiLU-and-mul, down GEMV, residual add; the extend attention kernel for an extend), so its
+// results are bit-identical to them, and it runs with the GIL released: the event loop's thread
+// gets the interpreter for the whole step.
 //
 // Scope (checked on the Python side): Llama-style layers with no biases and no q/k norm, bf16,
-// every projection 4-bit, the fused elementwise kernels, the kernel decode attention, one rank.
+// every projection 4-bit, the fused elementwise kernels, the kernel attention plans, one rank.
 
 #include "decode_layers.h"
 
@@ -19,6 +21,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale);
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 
@@ -56,7 +60,8 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
 }
 
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                    torch::Tensor out_cache_loc, torch::Tensor slots, torch::Tensor lens) const {
+                                    torch::Tensor out_cache_loc, torch::Tensor slots, torch::Tensor lens,
+                                    std::optional<torch::Tensor> prefix_lens) const {
   const int64_t t = x.size(0), h = num_heads_, kvh = num_kv_heads_, d = head_dim_;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_cache_loc.numel() == t, "x [T, hidden], one slot per token");
   for (const DecodeLayer& layer : layers_) {
@@ -66,8 +71,11 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
     layer.k_buffer.index_put_({out_cache_loc}, qk.narrow(1, h, kvh));
     layer.v_buffer.index_put_({out_cache_loc}, v);
+    const torch::Tensor q = qk.narrow(1, 0, h).contiguous();
     const torch::Tensor attn =
-        decode_attention(qk.narrow(1, 0, h).contiguous(), layer.k_buffer, layer.v_buffer, slots, lens, scaling_)[0];
+        prefix_lens.has_value()
+            ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_)
+            : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_)[0];
     const torch::Tensor normed = add_rms_norm_(x, gemv(attn.view({t, h * d}), layer.o), layer.post_norm, eps_);
     x = x + gemv(silu_mul(gemv(normed, layer.gate_up)), layer.down);
   }

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 namespace asyncllm {
@@ -26,9 +27,11 @@ class DecodeLayers {
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
                  std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer);
   // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
-  // out_cache_loc [T] int64 (where each token's K/V go); slots [T, L], lens [T] int64.
+  // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
+  // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
+  // Extend (e.g. a speculative verify): lens [R] the new tokens per request, prefix_lens [R].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor out_cache_loc,
-                        torch::Tensor slots, torch::Tensor lens) const;
+                        torch::Tensor slots, torch::Tensor lens, std::optional<torch::Tensor> prefix_lens) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
