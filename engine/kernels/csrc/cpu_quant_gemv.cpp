@@ -96,7 +96,7 @@ void q4_rows_scalar(const bf16* x, const float* sx, int64_t m_rows, int64_t k, c
       }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kQ4Vectorized = true;
 
 inline __m512bh pair_of(const bf16* p) {  // x[p], x[p + 1] in every 32-bit lane
@@ -196,7 +196,7 @@ void q8_rows_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* cod
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kQ8Vectorized = true;
 
 template <int M, int R>
