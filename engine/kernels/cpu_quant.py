@@ -1,13 +1,14 @@
 """Small-batch products with block-quantized weights on CPUs (csrc/cpu_quant_gemv.cpp).
 
-`y = x @ W.T` for a bf16 x of at most MAX_ROWS rows, W kept in a GGUF file's own blocks: 4-bit
+`y = x @ W.T` for a bf16 x of a few rows, W kept in a GGUF file's own blocks: 4-bit
 (Q4_0/Q4_1: code, fp16 scale and offset per 32 weights) or 8-bit (Q8_0: int8 code, fp16 scale).
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
 memory bandwidth; these loops unpack so cheaply that the read is the bound (torch's int4pack
 kernel is compute-bound at ~40% of one core's bandwidth on the development machine).
 
-The layers use them only where the vector loops were compiled (`vectorized()`: AVX512-BF16 and
-AVX512-BW); elsewhere the int4 layers keep torch's int4pack kernel and the LM head stays dense.
+Any row count works; each 8 rows are one pass over the weights. The layers use these products
+only where the vector loops were compiled (`vectorized()`: AVX512-BF16, -BW and -VL); elsewhere
+the int4 layers keep torch's int4pack kernel and the LM head stays dense.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["BLOCK", "CHUNK", "MAX_ROWS", "TILE", "Q4Packed", "q4_gemv", "q4_pack", "q8_gemv", "vectorized"]
+__all__ = ["BLOCK", "CHUNK", "TILE", "Q4Packed", "exact_in_fp16", "q4_gemv", "q4_pack", "q8_gemv", "vectorized"]
 
 BLOCK = 32  # weights per scale
 CHUNK = 64  # weights per 32 packed bytes: K must be a multiple of this
-MAX_ROWS = 8  # rows of x per call
 TILE = 16  # 4-bit rows per tile (one per fp32 lane)
 
 
@@ -30,6 +30,11 @@ def vectorized() -> bool:
     """Whether the extension is built and runs these products with vector instructions here."""
     module = load()
     return module is not None and bool(module.quant_gemv_vectorized())
+
+
+def exact_in_fp16(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is an fp16 number (the kernels keep scales and offsets in fp16)."""
+    return bool(torch.equal(t.to(torch.float16).float(), t.float()))
 
 
 @dataclass(frozen=True)
@@ -62,10 +67,10 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
     codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(tiles, nb, 8, 2 * TILE).contiguous()
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:
-        half = t.to(torch.float16)
-        if not torch.equal(half.float(), t.float()):
+        if not exact_in_fp16(t):
             raise ValueError("4-bit scales and offsets must be exact in fp16")
-        return torch.nn.functional.pad(half, (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
+        half = torch.nn.functional.pad(t.to(torch.float16), (0, 0, 0, pad))
+        return half.view(tiles, TILE, nb).transpose(1, 2).contiguous()
 
     return Q4Packed(codes, per_tile(scale), per_tile(offset), n, k)
 

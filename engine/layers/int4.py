@@ -92,8 +92,8 @@ class Q4Blocks:
         if cpu_quant.vectorized() and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:
             per_block = self.group_size // cpu_quant.BLOCK  # our kernel scales every 32 weights
             scale, offset = (t.repeat_interleave(per_block, dim=1) for t in (self.scale, self.offset))
-            if _exact_in_fp16(scale) and _exact_in_fp16(offset):
-                return TiledQ4Weight(cpu_quant.q4_pack(self.q, scale, offset), self.group_size)
+            if cpu_quant.exact_in_fp16(scale) and cpu_quant.exact_in_fp16(offset):
+                return TiledQ4Weight(cpu_quant.q4_pack(self.q, scale, offset))
         return self.pack_torch()
 
     def pack_torch(self) -> PackedInt4Weight | None:
@@ -109,16 +109,11 @@ class Q4Blocks:
         return PackedInt4Weight(packed, scales_zeros, self.group_size, n, k)
 
 
-def _exact_in_fp16(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.to(torch.float16).float(), t.float()))
-
-
 @dataclass
 class TiledQ4Weight:
     """A 4-bit weight in our kernel's tiled layout (engine/kernels/cpu_quant.py; bf16 inputs)."""
 
     tiles: cpu_quant.Q4Packed
-    group_size: int
 
     @property
     def out_features(self) -> int:

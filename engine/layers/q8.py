@@ -34,10 +34,9 @@ class Q8Blocks:
         """Our kernel's form, or None where it does not apply (no vectorized build, K not a
         multiple of 64, scales not fp16)."""
         k = self.q.shape[1]
-        half = self.scale.to(torch.float16)
-        if not (cpu_quant.vectorized() and k % cpu_quant.CHUNK == 0 and torch.equal(half.float(), self.scale)):
+        if not (cpu_quant.vectorized() and k % cpu_quant.CHUNK == 0 and cpu_quant.exact_in_fp16(self.scale)):
             return None
-        return Q8Weight(self.q.contiguous(), half.contiguous())
+        return Q8Weight(self.q.contiguous(), self.scale.to(torch.float16).contiguous())
 
 
 @dataclass
