@@ -104,9 +104,14 @@ class ServerArgs:
     tp_size: int = 1
     # Speculative decoding (engine/speculative/, SGLang's flags): "NGRAM" drafts up to
     # speculative_num_draft_tokens tokens per running greedy request from its own prompt and
-    # output, verified in one forward; None: off.
+    # output, verified in one forward; None: off. 7: a verify of 8 rows is one pass of the CPU
+    # quantized products (copy-heavy single streams: 1.68x plain at 7, 1.48x at 4). A verify
+    # forward has at most speculative_max_verify_tokens rows (None: num_draft_tokens + 1): past
+    # that a forward's cost grows with its rows and drafts would cost more than they save, so the
+    # running requests share what is left after their own rows, and a full batch does not draft.
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
+    speculative_num_draft_tokens: int = 7
+    speculative_max_verify_tokens: int | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -135,12 +140,20 @@ class ServerArgs:
         ):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 fail(name, "an integer >= 1")
-        for name in ("context_length", "max_total_tokens", "torch_threads", "cuda_graph_max_bs"):
+        for name in (
+            "context_length",
+            "max_total_tokens",
+            "torch_threads",
+            "cuda_graph_max_bs",
+            "speculative_max_verify_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 fail(name, "an integer >= 1")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             fail("speculative_algorithm", "NGRAM or None (off)")
+        if self.speculative_max_verify_tokens == 1:
+            fail("speculative_max_verify_tokens", "at least 2 (a request's token and one draft)")
         if self.speculative_algorithm is not None and self.page_size != 1:
             fail("page_size", "1 with speculative decoding (drafts are verified slot by slot)")
         if not (is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes):
@@ -223,6 +236,10 @@ class ServerArgs:
             return self.flight_recorder_dir
         default = os.path.join(tempfile.gettempdir(), "asyncllm-flight-recorder")
         return os.environ.get(FLIGHT_RECORDER_DIR_ENV) or default
+
+    def resolved_max_verify_tokens(self) -> int:
+        """Rows of a speculative verify forward at most (see speculative_max_verify_tokens)."""
+        return self.speculative_max_verify_tokens or self.speculative_num_draft_tokens + 1
 
     def resolved_enable_overlap(self) -> bool:
         return self.resolved_device().type == "cuda" if self.enable_overlap is None else self.enable_overlap

@@ -251,7 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--speculative-num-draft-tokens",
         type=positive_int,
-        help="most tokens drafted per request and step (adapted down per request by its acceptance; default: 4)",
+        help="most tokens drafted per request and step (adapted down per request by its acceptance; default: 7)",
+    )
+    g.add_argument(
+        "--speculative-max-verify-tokens",
+        type=positive_int,
+        help="most rows of a verify forward, the running requests' own included: they share what is left "
+        "after their own rows, and a batch that fills them does not draft (default: num draft tokens + 1; "
+        "raise it where a forward's cost stays flat over more rows, as on a GPU)",
     )
     g = p.add_argument_group("scale-out")
     g.add_argument(
@@ -310,6 +317,7 @@ _ENGINE_OPTIONS = (
     "tp_size",
     "speculative_algorithm",
     "speculative_num_draft_tokens",
+    "speculative_max_verify_tokens",
     "nnodes",
     "node_rank",
     "dist_init_addr",

@@ -185,6 +185,48 @@ def test_kernels_give_the_same_bits_on_any_thread_count(dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_grouped_decode_is_bitwise_each_query_alone(dtype, head_dim):
+    """A verify's positions share their request's slot row (`query_starts`): the kernel reads the
+    row once for all of them, and each query's output and log-sum-exp must be exactly those of
+    the same query attended alone (speculative greedy output must not change). Lengths straddle
+    the kernel's 16-key blocks and 128-key chunks, so some queries end a chunk before others."""
+    gen = torch.Generator().manual_seed(5)
+    pool, heads, kv_heads = 3000, 9, 3
+    kb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    # (first length, queries) per request: across a chunk end (126..133), a block end, short ones
+    shape = [(126, 8), (250, 5), (1, 3), (15, 2), (300, 1), (640, 4)]
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:700] for _ in shape])
+    lens = torch.tensor([n + i for n, k in shape for i in range(k)])
+    starts = torch.tensor([0, *torch.tensor([k for _, k in shape]).cumsum(0).tolist()])
+    owner = torch.repeat_interleave(torch.arange(len(shape)), torch.tensor([k for _, k in shape]))
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, lse = kernel.decode_attention(q, kb, vb, slots, lens, 0.125, starts)
+            alone, alone_lse = kernel.decode_attention(q, kb, vb, slots[owner].contiguous(), lens, 0.125)
+            assert torch.equal(out, alone) and torch.equal(lse, alone_lse)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse = _reference(q, kb, vb, slots[owner], lens, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-5)
+    bad = [
+        torch.tensor([0, 8, 13, 16, 18, 19]),  # one row short
+        torch.tensor([0, 8, 8, 16, 18, 19, 23]),  # a row without a query
+        torch.tensor([1, 9, 14, 17, 19, 20, 23]),  # not from 0
+        torch.tensor([0, 8, 13, 16, 18, 19, 22]),  # not to the number of queries
+    ]
+    for query_starts in bad:
+        with pytest.raises(RuntimeError):
+            kernel.decode_attention(q, kb, vb, slots, lens, 0.125, query_starts)
+
+
 def test_kernel_rejects_bad_inputs():
     kb = torch.zeros(10, 1, 64)
     q = torch.zeros(1, 1, 64)

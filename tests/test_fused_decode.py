@@ -79,11 +79,12 @@ def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source
     text = "The quick brown fox jumps over the lazy dog. " * 6
     prompt = default_tokenizer.encode(text)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-    plain = SyncScheduler(_runner(default_source)).generate([prompt], params)[0].output_ids
+    rows = ServerArgs().speculative_num_draft_tokens + 1  # a verify of one request: fused up to here
+    plain = SyncScheduler(_runner(default_source, q4_max_tokens=rows)).generate([prompt], params)[0].output_ids
 
-    runner = _runner(default_source, speculative_algorithm="NGRAM")
+    runner = _runner(default_source, speculative_algorithm="NGRAM", q4_max_tokens=rows)
     model = runner.model
-    assert model.lm_head.max_rows >= 5  # the verify rows of one request take the decode's head
+    assert model.lm_head.max_rows >= rows  # the verify rows of one request take the decode's head
     fused_forward = FusedDecodeLayers.forward
     modes: list[str] = []
 

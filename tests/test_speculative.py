@@ -112,16 +112,30 @@ MIXED_PARAMS = [
 ]
 
 
-def _run(prompts: list[list[int]], spec: bool, overlap: bool, **options) -> tuple[list[list[int]], dict | None]:
-    """The default model in fp32: outputs of every request and the speculation stats."""
+def _run(
+    prompts: list[list[int]], spec: bool, overlap: bool, verify_rows: list[int] | None = None, **options
+) -> tuple[list[list[int]], dict | None]:
+    """The default model in fp32: outputs of every request and the speculation stats. The verify
+    forwards may hold every request's drafts (64 rows) unless `options` say otherwise; their row
+    counts go to `verify_rows`."""
     args = ServerArgs(
         dtype="float32",
         device="cpu",
         max_running_requests=8,
         speculative_algorithm="NGRAM" if spec else None,
-        **{"max_total_tokens": 4096, **options},
+        **{"max_total_tokens": 4096, "speculative_max_verify_tokens": 64, **options},
     )
-    sched = SyncScheduler(ModelRunner(args), args)
+    runner = ModelRunner(args)
+    if verify_rows is not None:
+        generate = runner.forward_batch_generation
+
+        def recording(batch):
+            if batch.forward_mode.is_verify():
+                verify_rows.append(len(batch.out_cache_loc))
+            return generate(batch)
+
+        runner.forward_batch_generation = recording
+    sched = SyncScheduler(runner, args)
     reqs = [sched.add_request(p, sp) for p, sp in zip(prompts[:2], MIXED_PARAMS[:2])]
     logprob = sched.add_request(prompts[0][:40], MIXED_PARAMS[0], return_logprob=True, top_logprobs_num=2)
 
@@ -153,6 +167,22 @@ def test_outputs_identical_to_plain_decoding(copy_prompts, overlap, options):
     assert stats is not None and stats["accepted_tokens"] >= 40, stats  # drafts really were accepted
 
 
+def test_verify_forwards_keep_to_the_row_budget(copy_prompts):
+    """By default a verify forward has at most num_draft_tokens + 1 rows: the running requests
+    share the rows left after their own, and a batch that fills them does not draft. Outputs stay
+    those of plain decoding."""
+    want, _ = _run(copy_prompts, spec=False, overlap=False)
+    rows: list[int] = []
+    got, stats = _run(copy_prompts, spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=None)
+    del want[SAMPLED], got[SAMPLED]
+    assert got == want
+    budget = ServerArgs().speculative_num_draft_tokens + 1
+    assert stats is not None and stats["accepted_tokens"] > 0 and rows and max(rows) <= budget, (stats, rows)
+    rows.clear()
+    _run(copy_prompts, spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=3)
+    assert rows and max(rows) <= 3
+
+
 def test_identical_under_retraction(copy_prompts):
     """A KV pool too small for every request's whole output: retractions happen mid-speculation."""
     want, _ = _run(copy_prompts, spec=False, overlap=False, max_total_tokens=330)
@@ -178,6 +208,7 @@ def test_sampled_requests_keep_their_distribution(repeating_folder):
             max_total_tokens=8192,
             max_running_requests=128,
             speculative_algorithm="NGRAM" if spec else None,
+            speculative_max_verify_tokens=1024,  # every request drafts: the sampler is under test
             torch_threads=1,
         )
         sched = SyncScheduler(ModelRunner(args), args)

@@ -61,6 +61,9 @@ def test_model_dependent_options_exit_2(tiny_model_dir):
         ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
         ({"schedule_policy": "sjf"}, "schedule_policy"),
         ({"watchdog_timeout": "soon"}, "watchdog_timeout"),
+        ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
+        ({"speculative_max_verify_tokens": 1}, "speculative_max_verify_tokens"),
+        ({"speculative_max_verify_tokens": 0}, "speculative_max_verify_tokens"),
     ],
 )
 def test_server_args_verify_names_the_option(options, param):

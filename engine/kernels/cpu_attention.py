@@ -27,16 +27,26 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    query_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, D], lse [B, H] fp32) of one query per request over `slots[b, :lens[b]]`.
+    """(out [B, H, D], lse [B, H] fp32) of B decode queries, query b over its slot row's first
+    `lens[b]` slots.
 
-    q `[B, H, D]`; k_buf/v_buf `[S, KVH, D]` (one layer of the pool); slots int64 `[B, L]`;
-    lens int64 `[B]` (each >= 1). Raises RuntimeError if the kernel is not built (check `load()`).
+    q `[B, H, D]`; k_buf/v_buf `[S, KVH, D]` (one layer of the pool); slots int64 `[R, L]`;
+    lens int64 `[B]` (each >= 1). One query per slot row (R = B), or with `query_starts` int64
+    `[R + 1]` row r's queries are `q[query_starts[r]:query_starts[r + 1]]` (a speculative verify's
+    positions of one request: the row's K/V is read once for all of them, and each query's result
+    is bit-identical to attending it alone). Raises RuntimeError if the kernel is not built.
     """
     module = module_or_raise()
     with torch.profiler.record_function("asyncllm::cpu_decode_attention"):  # named in profiles
-        out, lse = module.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, scale)
+        out, lse = module.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, scale, query_starts)
     return out, lse
 
 

@@ -23,14 +23,24 @@ from engine.model_executor.forward_batch_info import ForwardBatch
 
 
 class KernelDecodePlan:
-    """Decode: each request's query over `slots[b, :lens[b]]` in the kernel."""
+    """Decode: query b over its slot row's first `lens[b]` slots in the kernel; one query per
+    request, or (`query_starts`) several per request's row, as a speculative verify has."""
 
-    def __init__(self, layout: HeadLayout, pool: KVCache, slots: torch.Tensor, lens: torch.Tensor) -> None:
+    def __init__(
+        self,
+        layout: HeadLayout,
+        pool: KVCache,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        query_starts: torch.Tensor | None = None,
+    ) -> None:
         self.layout, self.pool, self.slots, self.lens = layout, pool, slots, lens
+        self.query_starts = query_starts
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
-        out, _ = cpu_attention.decode_attention(q, kb, vb, self.slots, self.lens, self.layout.scaling)
+        scaling = self.layout.scaling
+        out, _ = cpu_attention.decode_attention(q, kb, vb, self.slots, self.lens, scaling, self.query_starts)
         return out.view(q.shape[0], -1)
 
 
@@ -98,8 +108,17 @@ def per_token_decode_plan(layout: HeadLayout, pool: KVCache, rows: torch.Tensor,
     request attends its row's first prefix + i + 1 slots through the decode kernel, so each
     verified position's logits are bit-identical to what a plain decode step computes there (the
     extend kernel sums in another order, and a near-tie could then pick another token: greedy
-    output must not change with speculation). Costs a re-read of the context per draft token."""
+    output must not change with speculation). The kernel reads each request's K/V once for all
+    its positions (`query_starts`)."""
     prefix, new = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
-    owner = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
     lens = [p + i + 1 for p, n in zip(prefix, new) for i in range(n)]
-    return KernelDecodePlan(layout, pool, rows[owner].contiguous(), torch.tensor(lens, dtype=torch.int64))
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    return KernelDecodePlan(
+        layout,
+        pool,
+        rows.contiguous(),
+        torch.tensor(lens, dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64),
+    )

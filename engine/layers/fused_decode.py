@@ -101,8 +101,8 @@ class FusedDecodeLayers:
     ) -> torch.Tensor:
         """Every layer over the residual stream `x` (updated in place): the last layer's output."""
         if isinstance(plan, KernelDecodePlan):
-            return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None)
-        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens)
+            return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts)
+        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None)
 
 
 def _parts(w: TiledQ4Weight) -> tuple[list[torch.Tensor], int]:

@@ -206,9 +206,9 @@ class ModelRunner:
         q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
         head = model.lm_head
         if self.args.speculative_algorithm is not None and isinstance(head, QuantLinear) and head.max_rows > 0:
-            # a single stream's verify rows take the decode's head: the same logits with and without
+            # a verify forward's rows take the decode's head: the same logits with and without
             # speculation (Q8_0 at 5 rows is on par with dense: 1.9 vs 2.0 ms on one core)
-            head.max_rows = max(head.max_rows, self.args.speculative_num_draft_tokens + 1)
+            head.max_rows = max(head.max_rows, self.args.resolved_max_verify_tokens())
         if q4:
             how = "measured" if q4_max_tokens is None else "set"
             layers = sum(name != "lm_head" for name in q4)

@@ -70,7 +70,11 @@ class Scheduler:
         self.max_running_requests = min(args.max_running_requests, self.req_to_token_pool.size)
         self.running_batch: ScheduleBatch = self._new_batch([])
         spec = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
-        self.speculation = Speculation(spec, self.req_to_token_pool, self.allocator) if spec else None
+        self.speculation = (
+            Speculation(spec, args.resolved_max_verify_tokens(), self.req_to_token_pool, self.allocator)
+            if spec
+            else None
+        )
         self.chunked_req: Req | None = None
         self.last_batch: LaunchedBatch | None = None  # last launched extend, merged next round
         self.reqs_by_rid: dict[str, Req] = {}  # every request this scheduler holds

@@ -1,12 +1,14 @@
 """The scheduler's side of n-gram speculative decoding (`--speculative-algorithm NGRAM`).
 
 Each decode round, `Speculation.drafts` proposes up to `speculative_num_draft_tokens` tokens per
-running request from its own prompt and output (engine/speculative/ngram.py); if any request
-has a draft, the round is a TARGET_VERIFY forward (`ScheduleBatch.prepare_for_verify`) instead
-of a decode. A request speculates when verification reproduces its plain decoding: greedy ones
-exactly (argmax), sampling ones in distribution (rejection sampling); not with a grammar,
-logprobs, penalties or a logit bias, nor before its `min_new_tokens`. The others ride in the same
-forward with no draft and are sampled as in a decode.
+running request from its own prompt and output (engine/speculative/ngram.py), within the verify
+forward's row budget (`speculative_max_verify_tokens`: a larger forward costs more than its
+drafts save, so a full batch does not draft); if any request has a draft, the round is a
+TARGET_VERIFY forward (`ScheduleBatch.prepare_for_verify`) instead of a decode. A request
+speculates when verification reproduces its plain decoding: greedy ones exactly (argmax),
+sampling ones in distribution (rejection sampling); not with a grammar, logprobs, penalties or a
+logit bias, nor before its `min_new_tokens`. The others ride in the same forward with no draft
+and are sampled as in a decode.
 
 `Speculation.process` then emits, per request, its accepted drafts and the next token (stopping
 early at a finish: EOS, a stop id, the length limit), frees the KV slots of the rejected drafts
@@ -61,28 +63,47 @@ def can_speculate(req: Req) -> bool:
 
 
 class Speculation:
-    def __init__(self, max_draft_tokens: int, pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
+    def __init__(
+        self, max_draft_tokens: int, max_verify_tokens: int, pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator
+    ) -> None:
         self.max_draft_tokens = max_draft_tokens
+        self.max_verify_tokens = max_verify_tokens  # rows of a verify forward, the batch's own included
         self.pool, self.allocator = pool, allocator
         self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
 
     def drafts(self, reqs: list[Req]) -> list[list[int]]:
-        """Each request's drafts this round (empty: it decodes one token)."""
-        out = []
-        for req in reqs:
-            if not can_speculate(req):
+        """Each request's drafts this round (empty: it decodes one token). The requests share the
+        verify forward's rows left after their own (`max_verify_tokens`) evenly, in batch order;
+        a batch that fills them alone does not draft."""
+        budget = self.max_verify_tokens - len(reqs)
+        if budget <= 0:  # the indexes catch up when drafting resumes (SpecState.sync)
+            return [[] for _ in reqs]
+        wanted = [self._wanted(req) for req in reqs]
+        drafting = sum(k > 0 for k in wanted)
+        out: list[list[int]] = []
+        for req, k in zip(reqs, wanted):
+            if k <= 0 or budget <= 0:
                 out.append([])
                 continue
-            if req.spec is None:
-                req.spec = SpecState(NgramIndex(), DraftLength(self.max_draft_tokens))
-            req.spec.sync(req)
-            room = min(
-                req.sampling_params.max_new_tokens - len(req.output_ids) - 1,  # the next token is extra
-                req.max_context_len - req.seqlen - 1,
-            )
-            k = min(req.spec.length.wanted(len(req.output_ids)), room)
-            out.append(req.spec.index.propose(k) if k > 0 else [])
+            k = min(k, budget // drafting) if budget >= drafting else 1
+            drafting -= 1
+            draft = req.spec.index.propose(k)
+            budget -= len(draft)
+            out.append(draft)
         return out
+
+    def _wanted(self, req: Req) -> int:
+        """How many tokens `req` would draft this round on its own (0: none)."""
+        if not can_speculate(req):
+            return 0
+        if req.spec is None:
+            req.spec = SpecState(NgramIndex(), DraftLength(self.max_draft_tokens))
+        req.spec.sync(req)
+        room = min(
+            req.sampling_params.max_new_tokens - len(req.output_ids) - 1,  # the next token is extra
+            req.max_context_len - req.seqlen - 1,
+        )
+        return min(req.spec.length.wanted(len(req.output_ids)), room)
 
     def process(
         self,

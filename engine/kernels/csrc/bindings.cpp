@@ -2,12 +2,14 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 #include "decode_layers.h"
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
-                                            torch::Tensor slots, torch::Tensor lens, double scale);
+                                            torch::Tensor slots, torch::Tensor lens, double scale,
+                                            std::optional<torch::Tensor> query_starts);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
                                torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -20,7 +22,9 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (out, lse) on CPU");
+  m.def("decode_attention", &decode_attention, "paged decode attention (out, lse) on CPU", py::arg("q"),
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
+        py::arg("query_starts") = py::none());
   m.def("extend_attention", &extend_attention, "paged causal extend/prefill attention on CPU");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");

@@ -27,6 +27,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "attention.h"
@@ -225,34 +227,58 @@ void dispatch_extend(int64_t D, const T* q, const T* kb, const T* vb, const int6
 }  // namespace
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
-                                            torch::Tensor slots, torch::Tensor lens, double scale) {
+                                            torch::Tensor slots, torch::Tensor lens, double scale,
+                                            std::optional<torch::Tensor> query_starts) {
   TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu() && v_buf.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q [B, H, D], k/v [S, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "contiguous q, k, v");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.is_contiguous(), "slots int64 [B, L]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.is_contiguous(), "slots int64 [R, L]");
   TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.dim() == 1 && lens.is_contiguous(), "lens int64 [B]");
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type(), "one dtype");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_buf.size(1), S = k_buf.size(0);
+  const int64_t R = slots.size(0), L = slots.size(1);
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && k_buf.size(2) == D && v_buf.sizes() == k_buf.sizes(), "head shapes");
-  TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "one slot row and one length per request");
+  TORCH_CHECK(lens.size(0) == B, "one length per query");
+  const int64_t* qs = nullptr;
+  if (query_starts.has_value()) {
+    const torch::Tensor& st = *query_starts;
+    TORCH_CHECK(st.scalar_type() == torch::kInt64 && st.dim() == 1 && st.is_contiguous() && st.size(0) == R + 1,
+                "query_starts int64 [R + 1]");
+    qs = st.data_ptr<int64_t>();
+    TORCH_CHECK(qs[0] == 0 && qs[R] == B, "query_starts run from 0 to the number of queries");
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(qs[r + 1] > qs[r], "every slot row has a query");
+  } else {
+    TORCH_CHECK(R == B, "one slot row per query");
+  }
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t L = slots.size(1);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "length out of range");
-    for (int64_t t = 0; t < lp[b]; ++t) TORCH_CHECK(sp[b * L + t] >= 0 && sp[b * L + t] < S, "slot out of range");
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t longest = 0;
+    for (int64_t b = qs != nullptr ? qs[r] : r; b < (qs != nullptr ? qs[r + 1] : r + 1); ++b) {
+      TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "length out of range");
+      longest = std::max(longest, lp[b]);
+    }
+    for (int64_t t = 0; t < longest; ++t) TORCH_CHECK(sp[r * L + t] >= 0 && sp[r * L + t] < S, "slot out of range");
   }
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat));
   const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kBFloat16) {
+    using bf = c10::BFloat16;
+    if (asyncllm::decode_attention_bf16dot(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, lp, qs,
+                                           out.data_ptr<bf>(), lse.data_ptr<float>(), R, H, KVH, L, sc))
+      return {out, lse};
+  }
+  if (qs != nullptr) {  // the fp32-FMA kernels take one slot row per query: repeat each row
+    auto owner = torch::repeat_interleave(torch::arange(R), query_starts->diff());
+    slots = slots.index_select(0, owner).contiguous();
+    sp = slots.data_ptr<int64_t>();
+  }
   if (q.scalar_type() == torch::kFloat) {
     dispatch_head_dim<float>(D, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), sp, lp,
                              out.data_ptr<float>(), lse.data_ptr<float>(), B, H, KVH, L, sc);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
-    if (asyncllm::decode_attention_bf16dot(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, lp,
-                                           out.data_ptr<bf>(), lse.data_ptr<float>(), B, H, KVH, L, sc))
-      return {out, lse};
     dispatch_head_dim<bf>(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, lp,
                           out.data_ptr<bf>(), lse.data_ptr<float>(), B, H, KVH, L, sc);
   } else {

@@ -136,48 +136,71 @@ void run_dynamic(int64_t n, const Body& body) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(claim); });
 }
 
+// A row is one request's KV (slots[r, :]) with one query per row, or with qstart (row r's queries
+// are q[qstart[r] .. qstart[r + 1]), lens per query, all over the row's leading slots): a
+// speculative verify's draft positions each attend as a decode query, and the grouped form reads
+// the row's K/V once for all of them. Each query's arithmetic is exactly the one-query kernel's:
+// scores per key, a chunk's softmax step, P @ V in key order. Keys past a query's length are
+// masked (score -inf, p 0), which adds exact zeros to its sums and rescales by exp(0) = 1.
 template <int NV>
 void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
-                           const int64_t* slots, const int64_t* lens, c10::BFloat16* out, float* lse, int64_t B,
-                           int64_t H, int64_t KVH, int64_t max_len, float scale) {
+                           const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
+                           float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale) {
   constexpr int DW = NV / 2;  // 32-element bf16 vectors per row
   constexpr int64_t D = NV * 16;
   const int G = static_cast<int>(H / KVH);
   const int64_t row = KVH * D;
-  // A task is one request's KV heads [kh0, kh0 + hpt): all of them when there are enough
-  // requests to share out, so a task streams whole slot records (every head's row of a token is
-  // adjacent in the pool) rather than one strided head at a time.
-  const int64_t hpt = B >= 4 * at::get_num_threads() ? KVH : 1;
-  const int64_t tasks_per_req = KVH / hpt;
-  // Longest requests first, so the last tasks handed out are short ones.
-  std::vector<int64_t> order(B * tasks_per_req);
+  auto first_query = [&](int64_t r) { return qstart != nullptr ? qstart[r] : r; };
+  std::vector<int64_t> row_len(R);  // the longest query of each row: the keys the row reads
+  int max_q = 1;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q0 = first_query(r), q1 = qstart != nullptr ? qstart[r + 1] : r + 1;
+    row_len[r] = *std::max_element(lens + q0, lens + q1);
+    max_q = std::max(max_q, static_cast<int>(q1 - q0));
+  }
+  // A task is one row's KV heads [kh0, kh0 + hpt): all of them when there are enough rows to
+  // share out, so a task streams whole slot records (every head's row of a token is adjacent in
+  // the pool) rather than one strided head at a time.
+  const int64_t hpt = R >= 4 * at::get_num_threads() ? KVH : 1;
+  const int64_t tasks_per_row = KVH / hpt;
+  // Longest rows first, so the last tasks handed out are short ones.
+  std::vector<int64_t> order(R * tasks_per_row);
   for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lens[a / tasks_per_req] > lens[b / tasks_per_req]; });
+                   [&](int64_t a, int64_t b) { return row_len[a / tasks_per_row] > row_len[b / tasks_per_row]; });
   run_dynamic(static_cast<int64_t>(order.size()), [&](const auto& claim) {
-    const int HG = static_cast<int>(hpt) * G;  // query heads per task
+    // Query heads of a task, ordered (KV head k, query i, group g): the heads over one KV head
+    // are adjacent, so P @ V shares each V row among all of them.
+    const int max_heads = static_cast<int>(hpt) * max_q * G;
     const int64_t p_stride = kChunk + kBlock;
-    std::vector<__m512i> qv(HG * DW);
-    std::vector<float> s(HG * kChunk);
-    std::vector<uint16_t> p(HG * p_stride);
-    std::vector<v16f> acc(HG * 2 * DW), run_max_v(HG);
-    std::vector<float> run_max(HG), run_sum(HG);
+    std::vector<__m512i> qv(max_heads * DW);
+    std::vector<float> s(max_heads * kChunk);
+    std::vector<uint16_t> p(max_heads * p_stride);
+    std::vector<v16f> acc(max_heads * 2 * DW), run_max_v(max_heads);
+    std::vector<float> run_max(max_heads), run_sum(max_heads);
     std::vector<const c10::BFloat16*> krows(kChunk + kBlock), vrows(kChunk);
     int64_t next = claim();
     while (next >= 0) {
       const int64_t task = order[next];
       next = claim();  // known now, so its first rows can be prefetched while this task ends
-      const int64_t b = task / tasks_per_req, kh0 = (task % tasks_per_req) * hpt, n = lens[b];
-      const int64_t* sl = slots + b * max_len;
-      const int64_t nb = next >= 0 ? order[next] / tasks_per_req : -1;  // the next task's request
-      const int64_t next_n = nb >= 0 ? lens[nb] : 0, next_kh0 = next >= 0 ? (order[next] % tasks_per_req) * hpt : 0;
-      const int64_t h0 = kh0 * G;  // first query head of the task
-      for (int g = 0; g < HG; ++g) {
-        for (int j = 0; j < DW; ++j) qv[g * DW + j] = load_bf16x32(q + (b * H + h0 + g) * D + 32 * j);
-        for (int j = 0; j < 2 * DW; ++j) acc[g * 2 * DW + j] = splat(0.0f);
-        run_max[g] = -std::numeric_limits<float>::infinity();
-        run_sum[g] = 0.0f;
-      }
+      const int64_t r = task / tasks_per_row, kh0 = (task % tasks_per_row) * hpt, n = row_len[r];
+      const int64_t q0 = first_query(r);
+      const int nq = static_cast<int>(qstart != nullptr ? qstart[r + 1] - q0 : 1);
+      const int HQ = nq * G;  // heads over one KV head
+      const int64_t* sl = slots + r * max_len;
+      const int64_t nr = next >= 0 ? order[next] / tasks_per_row : -1;  // the next task's row
+      const int64_t next_n = nr >= 0 ? row_len[nr] : 0, next_kh0 = next >= 0 ? (order[next] % tasks_per_row) * hpt : 0;
+      for (int64_t k = 0; k < hpt; ++k)
+        for (int i = 0; i < nq; ++i)
+          for (int g = 0; g < G; ++g) {
+            const int hh = (static_cast<int>(k) * nq + i) * G + g;
+            const int64_t head = (q0 + i) * H + (kh0 + k) * G + g;
+            for (int j = 0; j < DW; ++j) qv[hh * DW + j] = load_bf16x32(q + head * D + 32 * j);
+            for (int j = 0; j < 2 * DW; ++j) acc[hh * 2 * DW + j] = splat(0.0f);
+            run_max[hh] = -std::numeric_limits<float>::infinity();
+            run_sum[hh] = 0.0f;
+          }
+      const int heads = static_cast<int>(hpt) * HQ;
       const int64_t pf_bytes = hpt * D * 2;  // the task's part of each record
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int cn = static_cast<int>(n - c0 < kChunk ? n - c0 : kChunk);
@@ -187,7 +210,7 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           vrows[t] = vb + off;
         }
         for (int t = cn; t < kChunk + kBlock; ++t) krows[t] = krows[0];  // score_block reads whole blocks
-        for (int g = 0; g < HG; ++g) run_max_v[g] = splat(-std::numeric_limits<float>::infinity());
+        for (int hh = 0; hh < heads; ++hh) run_max_v[hh] = splat(-std::numeric_limits<float>::infinity());
         for (int t0 = 0; t0 < cn; t0 += kBlock) {
           // K and V records kPrefetch blocks ahead (the slots are scattered: the hardware cannot
           // guess them), so the P @ V pass finds this chunk's V rows in cache. The window counts
@@ -195,7 +218,7 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           // the next chunk's (or task's) rows are on their way during this chunk's P @ V pass.
           const int64_t first = c0 + t0 == 0 ? 0 : c0 + t0 + kPrefetch * kBlock;
           for (int64_t t = first; t < n + next_n && t < c0 + t0 + (kPrefetch + 1) * kBlock; ++t) {
-            const int64_t off = t < n ? sl[t] * row + kh0 * D : slots[nb * max_len + t - n] * row + next_kh0 * D;
+            const int64_t off = t < n ? sl[t] * row + kh0 * D : slots[nr * max_len + t - n] * row + next_kh0 * D;
             const char* kr = reinterpret_cast<const char*>(kb + off);
             const char* vr = reinterpret_cast<const char*>(vb + off);
             for (int64_t byte = 0; byte < pf_bytes; byte += 64) {
@@ -205,23 +228,33 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           }
           const int cnt = cn - t0 < kBlock ? cn - t0 : kBlock;
           for (int64_t k = 0; k < hpt; ++k)
-            score_block<DW>(qv.data() + k * G * DW, G, krows.data() + t0, k * D, cnt, scale,
-                            s.data() + k * G * kChunk + t0, kChunk, run_max_v.data() + k * G);
+            for (int i = 0; i < nq; ++i) {  // query i sees its own keys only: the rest score -inf
+              const int64_t seen = lens[q0 + i] - (c0 + t0);
+              const int qcnt = static_cast<int>(seen < cnt ? (seen > 0 ? seen : 0) : cnt);
+              const int hh = (static_cast<int>(k) * nq + i) * G;
+              score_block<DW>(qv.data() + hh * DW, G, krows.data() + t0, k * D, qcnt, scale,
+                              s.data() + hh * kChunk + t0, kChunk, run_max_v.data() + hh);
+            }
         }
         const int padded = (cn + 1) & ~1;
-        for (int g = 0; g < HG; ++g) {
-          uint16_t* pg = p.data() + g * p_stride;
-          softmax_chunk<DW>(s.data() + g * kChunk, cn, hmax(run_max_v[g]), run_max[g], run_sum[g],
-                            acc.data() + g * 2 * DW, pg);
+        for (int hh = 0; hh < heads; ++hh) {
+          uint16_t* pg = p.data() + hh * p_stride;
+          softmax_chunk<DW>(s.data() + hh * kChunk, cn, hmax(run_max_v[hh]), run_max[hh], run_sum[hh],
+                            acc.data() + hh * 2 * DW, pg);
           if (padded > cn) pg[cn] = 0;
         }
         for (int64_t k = 0; k < hpt; ++k)
-          pv_heads<DW>(p.data() + k * G * p_stride, p_stride, vrows.data(), k * D, cn, acc.data() + k * G * 2 * DW, G);
+          pv_heads<DW>(p.data() + k * HQ * p_stride, p_stride, vrows.data(), k * D, cn, acc.data() + k * HQ * 2 * DW,
+                       HQ);
       }
-      for (int g = 0; g < HG; ++g) {
-        store_unpacked<DW>(acc.data() + g * 2 * DW, 1.0f / run_sum[g], out + (b * H + h0 + g) * D);
-        lse[b * H + h0 + g] = run_max[g] + std::log(run_sum[g]);
-      }
+      for (int64_t k = 0; k < hpt; ++k)
+        for (int i = 0; i < nq; ++i)
+          for (int g = 0; g < G; ++g) {
+            const int hh = (static_cast<int>(k) * nq + i) * G + g;
+            const int64_t head = (q0 + i) * H + (kh0 + k) * G + g;
+            store_unpacked<DW>(acc.data() + hh * 2 * DW, 1.0f / run_sum[hh], out + head * D);
+            lse[head] = run_max[hh] + std::log(run_sum[hh]);
+          }
     }
   });
 }
@@ -433,11 +466,11 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
 }  // namespace
 
 bool decode_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
-                              const int64_t* slots, const int64_t* lens, c10::BFloat16* out, float* lse, int64_t B,
-                              int64_t H, int64_t KVH, int64_t max_len, float scale) {
+                              const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
+                              float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale) {
   if (D != 64 && D != 128) return false;
-  (D == 64 ? decode_kernel_bf16dot<4> : decode_kernel_bf16dot<8>)(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len,
-                                                                  scale);
+  (D == 64 ? decode_kernel_bf16dot<4> : decode_kernel_bf16dot<8>)(q, kb, vb, slots, lens, qstart, out, lse, R, H, KVH,
+                                                                  max_len, scale);
   return true;
 }
 
@@ -457,8 +490,8 @@ bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFlo
 
 namespace asyncllm {
 bool decode_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
-                              const int64_t*, const int64_t*, c10::BFloat16*, float*, int64_t, int64_t, int64_t,
-                              int64_t, float) {
+                              const int64_t*, const int64_t*, const int64_t*, c10::BFloat16*, float*, int64_t, int64_t,
+                              int64_t, int64_t, float) {
   return false;
 }
 bool extend_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,

@@ -20,7 +20,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
-                                            torch::Tensor slots, torch::Tensor lens, double scale);
+                                            torch::Tensor slots, torch::Tensor lens, double scale,
+                                            std::optional<torch::Tensor> query_starts);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
                                torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
@@ -61,7 +62,8 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
 
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                     torch::Tensor out_cache_loc, torch::Tensor slots, torch::Tensor lens,
-                                    std::optional<torch::Tensor> prefix_lens) const {
+                                    std::optional<torch::Tensor> prefix_lens,
+                                    std::optional<torch::Tensor> query_starts) const {
   const int64_t t = x.size(0), h = num_heads_, kvh = num_kv_heads_, d = head_dim_;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_cache_loc.numel() == t, "x [T, hidden], one slot per token");
   for (const DecodeLayer& layer : layers_) {
@@ -75,7 +77,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     const torch::Tensor attn =
         prefix_lens.has_value()
             ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_)
-            : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_)[0];
+            : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_, query_starts)[0];
     const torch::Tensor normed = add_rms_norm_(x, gemv(attn.view({t, h * d}), layer.o), layer.post_norm, eps_);
     x = x + gemv(silu_mul(gemv(normed, layer.gate_up)), layer.down);
   }

@@ -29,9 +29,11 @@ class DecodeLayers {
   // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
   // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
-  // Extend (e.g. a speculative verify): lens [R] the new tokens per request, prefix_lens [R].
+  // Extend: lens [R] the new tokens per request, prefix_lens [R]. Grouped decode (a speculative
+  // verify, attention_cpu.per_token_decode_plan): lens [T] per token, query_starts [R + 1].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor out_cache_loc,
-                        torch::Tensor slots, torch::Tensor lens, std::optional<torch::Tensor> prefix_lens) const;
+                        torch::Tensor slots, torch::Tensor lens, std::optional<torch::Tensor> prefix_lens,
+                        std::optional<torch::Tensor> query_starts) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
