@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from bench.offline import make_workload
+from bench.offline import FAMILY, make_workload
 from engine import SamplingParams, ServerArgs, SyncScheduler, resolve_model
 
 
@@ -61,7 +61,7 @@ def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="W2", choices=["W1", "W2", "W3", "single"])
+    ap.add_argument("--workload", default="W2", choices=["W1", "W2", "W3", "single", *FAMILY])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="also print the torch profiler's top ops")

@@ -45,7 +45,7 @@ def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (40, 128), (960, 576), (7, 192)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 19])
 def test_q4_matches_reference_and_fp64(n, k, rows):
     blocks = _q4(n, k, seed=n + k)
     packed = cpu_quant.q4_pack(blocks.q, blocks.scale, blocks.offset)
@@ -60,7 +60,7 @@ def test_q4_matches_reference_and_fp64(n, k, rows):
         assert torch.allclose(fast.float(), plain.float(), rtol=1 / 128, atol=1e-3 * plain.float().abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 4, 9, 19])
 def test_q8_matches_reference_and_fp64(rows):
     blocks = _q8(100, 192, seed=rows)
     w = blocks.dequantize()

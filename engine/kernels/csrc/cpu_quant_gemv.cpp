@@ -32,6 +32,7 @@
 #include <c10/util/Half.h>
 
 #include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -42,7 +43,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;    // weights per scale
 constexpr int64_t kChunk = 64;    // weights per 32 packed bytes (two blocks)
-constexpr int kMaxRows = 8;       // rows of x per pass over the weights (more rows: more passes)
+constexpr int kMaxRows = 8;       // rows of x per pass over a task's weights (more rows: more passes)
 constexpr int64_t kMaxBlocks = 1024;  // K / 32 bound (K <= 32768): the block-sum and scale tables
 // Software prefetch distance along the weights: without it a cold (DRAM) read of the Q8_0 LM head
 // ran at ~20 GB/s on one core, with 8 KB ahead at ~38 GB/s (4 KB: 34, 16 KB: 37).
@@ -297,20 +298,26 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
   const auto* op = offsets.data_ptr<at::Half>();
-  float sx[kMaxRows * kMaxBlocks];
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
-    const bf16* xp = x.data_ptr<bf16>() + m0 * k;
-    bf16* yp = y.data_ptr<bf16>() + m0 * n_out;
-    block_sums(xp, m_rows, k, sx);
-    if (!vectorized) {
-      q4_rows_scalar(xp, sx, m_rows, k, cp, sp, op, yp, n_out, 0, tiles);
-      continue;
+  const int64_t nb = k / kBlock;
+  std::vector<float> sx(rows * nb);
+  block_sums(x.data_ptr<bf16>(), rows, k, sx.data());
+  // Each task takes its tiles through every group of kMaxRows rows of x in turn: a group's pass
+  // finds the task's weights (~256 KB) still in L2, so more rows cost compute, not DRAM reads.
+  auto groups = [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
+      const bf16* xp = x.data_ptr<bf16>() + m0 * k;
+      bf16* yp = y.data_ptr<bf16>() + m0 * n_out;
+      if (vectorized)
+        q4_rows(xp, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
+      else
+        q4_rows_scalar(xp, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
     }
-    at::parallel_for(0, tiles, grain(kTile * k / 2), [&](int64_t t0, int64_t t1) {
-      q4_rows(xp, sx, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
-    });
-  }
+  };
+  if (vectorized)
+    at::parallel_for(0, tiles, grain(kTile * k / 2), groups);
+  else
+    groups(0, tiles);
   return y;
 }
 
@@ -324,15 +331,20 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   const auto xf = x.to(torch::kFloat);
   const auto* cp = codes.data_ptr<int8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
-    const float* xp = xf.data_ptr<float>() + m0 * k;
-    bf16* yp = y.data_ptr<bf16>() + m0 * n;
-    if (!vectorized) {
-      q8_rows_scalar(xp, m_rows, k, cp, sp, yp, n, 0, n);
-      continue;
+  auto groups = [&](int64_t n0, int64_t n1) {  // as q4_gemv: a task's rows stay in L2 across groups
+    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
+      const float* xp = xf.data_ptr<float>() + m0 * k;
+      bf16* yp = y.data_ptr<bf16>() + m0 * n;
+      if (vectorized)
+        q8_rows(xp, m_rows, k, cp, sp, yp, n, n0, n1);
+      else
+        q8_rows_scalar(xp, m_rows, k, cp, sp, yp, n, n0, n1);
     }
-    at::parallel_for(0, n, grain(k), [&](int64_t n0, int64_t n1) { q8_rows(xp, m_rows, k, cp, sp, yp, n, n0, n1); });
-  }
+  };
+  if (vectorized)
+    at::parallel_for(0, n, grain(k), groups);
+  else
+    groups(0, n);
   return y;
 }
