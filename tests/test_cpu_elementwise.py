@@ -104,3 +104,27 @@ def test_rotary_is_bit_identical_to_torch(head_dim):
         fused.rotary(qk.float(), cos.float(), sin.float())
     with pytest.raises(RuntimeError):
         fused.rotary(qk, cos[:5], sin[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_gives_torchs_indices(dtype):
+    """The greedy sampler's argmax (csrc/cpu_argmax.cpp) against torch.argmax: widths with and
+    without a vector tail, narrower than a vector, ties (the first index wins), rows of -inf, NaN
+    (torch reports the first NaN), and the batch of a decode step."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, width in [(1, 49152), (64, 49152), (3, 15), (5, 16), (7, 33), (2, 1), (4, 1000)]:
+        x = torch.randn(rows, width, generator=gen).to(dtype)
+        assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1)), (rows, width)
+    x = torch.randn(6, 1000, generator=gen).to(dtype)
+    x[0, 10] = x[0, 700] = x[0, 999] = 50.0  # a tie across vector lanes and the tail
+    x[1, 5], x[1, 900] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3, 997] = float("nan")  # in the tail only
+    x[4, :16] = 1e4  # a tie inside the first vector
+    x[5, 999] = 1e4  # the maximum is the last element
+    assert fused.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [10, 5, 0, 997, 0, 999]
+    assert torch.equal(fused.argmax_rows(x[:, :15].contiguous()), x[:, :15].argmax(dim=-1))
+    with pytest.raises(RuntimeError):
+        fused.argmax_rows(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError):
+        fused.argmax_rows(torch.zeros(8, 2)[:, :1])  # not contiguous

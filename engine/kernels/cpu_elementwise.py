@@ -18,6 +18,7 @@ __all__ = [
     "ROTARY_HEAD_DIM_MULTIPLE",
     "WIDTH_MULTIPLE",
     "add_rms_norm_",
+    "argmax_rows",
     "available",
     "load",
     "rms_norm",
@@ -56,6 +57,12 @@ def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: f
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a bf16 `[T, 2I]` gate|up slab (gate first), as `[T, I]`."""
     return module_or_raise().silu_mul(gate_up.contiguous())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of contiguous bf16 or fp32 `[B, V]` rows (csrc/cpu_argmax.cpp): read in
+    place, vectorized; torch's bf16 argmax is a scalar loop. Same indices, NaN and ties included."""
+    return module_or_raise().argmax_rows(x)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ SOURCES = (
     "cpu_attention.cpp",
     "cpu_attention_bf16.cpp",
     "cpu_elementwise.cpp",
+    "cpu_argmax.cpp",
     "cpu_quant_gemv.cpp",
     "cpu_decode_layers.cpp",
     "bindings.cpp",

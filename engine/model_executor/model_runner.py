@@ -298,9 +298,9 @@ class ModelRunner:
         return logits, False, fb
 
     def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """Logits of one forward, in a tensor of their own (safe to keep across steps)."""
+        """float32 logits of one forward, in a tensor of their own (safe to keep across steps)."""
         logits, shared, _ = self._run_forward(batch, sampled=False)
-        return logits.clone() if shared else logits
+        return _owned_float(logits, shared)
 
     @torch.inference_mode()
     def run_worker_step(self, step: TPStep) -> None:
@@ -340,5 +340,12 @@ class ModelRunner:
         self.last_token_ids[fb.req_pool_indices] = next_ids
         kept = None
         if batch.return_prompt_logits:
-            kept = logits.clone() if shared else logits
+            kept = _owned_float(logits, shared)
         return GenerationBatchResult(next_ids, out, kept, DeviceToHost.start(next_ids), accept_lens=accepted)
+
+
+def _owned_float(logits: torch.Tensor, shared: bool) -> torch.Tensor:
+    """`logits` as float32 in a tensor of their own (a graph runner's buffer is `shared`)."""
+    if logits.dtype != torch.float32:
+        return logits.float()
+    return logits.clone() if shared else logits

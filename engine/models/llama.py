@@ -182,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [B, V] (last new token of each request), or [num_tokens, V] with prompt logits;
-        float32. Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
+        in the model's dtype on one rank, float32 gathered across ranks (`TPGroup.gather_vocab`).
+        Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb.cos_sin(fb.positions)
         fused = self.fused_decode

@@ -2,7 +2,7 @@
 
 from engine.sampling.counter_rng import counter_uniforms
 from engine.sampling.logit_bias import LogitBias, apply_logit_bias
-from engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatchInfo, apply_penalties
+from engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatchInfo, apply_penalties, greedy_ids
 from engine.sampling.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -24,4 +24,5 @@ __all__ = [
     "apply_logit_bias",
     "apply_penalties",
     "counter_uniforms",
+    "greedy_ids",
 ]

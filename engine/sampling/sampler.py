@@ -27,10 +27,13 @@ import torch
 from torch import Tensor
 
 from engine.constrained import apply_bitmask
+from engine.kernels import cpu_elementwise
 from engine.sampling.counter_rng import counter_uniforms
 from engine.sampling.counter_rng import mix64_ as mix64_  # re-exported: tests import it from here
 from engine.sampling.logit_bias import LogitBias, apply_logit_bias, pack_logit_bias
 from engine.sampling.sampling_params import SamplingParams
+
+ARGMAX_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -293,6 +296,15 @@ class SamplerOutput:
     mask_apply_s: float = 0.0  # host time spent applying grammar masks (on CUDA: launching it)
 
 
+def greedy_ids(logits: Tensor) -> Tensor:
+    """Each row's argmax. Contiguous CPU rows (bf16 logits stay bf16 on one rank) go through the
+    C++ kernel, which reads them in place (torch's bf16 argmax is a scalar loop); same indices."""
+    if logits.device.type == "cpu" and logits.dtype in ARGMAX_KERNEL_DTYPES and logits.is_contiguous():
+        if cpu_elementwise.load() is not None:
+            return cpu_elementwise.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """Penalised float32 copy of `logits` [B, V]; the input is never modified.
 
@@ -380,17 +392,17 @@ class Sampler:
     def _choose(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         biased = info.logit_bias_index is not None
         if info.is_all_greedy and not (info.need_penalties or info.need_logprobs or biased):
-            return SamplerOutput(next_token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(next_token_ids=greedy_ids(logits))
 
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if info.need_logprobs else None
         scores = apply_logit_bias(logits, info.logit_bias_index, info.logit_bias_values) if biased else logits
         scores = apply_penalties(scores, info) if info.need_penalties else scores
         if info.is_all_greedy:
-            next_ids = scores.argmax(dim=-1)
+            next_ids = greedy_ids(scores)
         elif info.sample_indices is None:
             next_ids = self._sample(scores, info, None)
         else:
-            next_ids = scores.argmax(dim=-1)
+            next_ids = greedy_ids(scores)
             sampled = self._sample(scores, info, info.sample_indices)
             next_ids.index_copy_(0, info.sample_indices, sampled)
         return self._with_logprobs(next_ids, raw_logprobs, info)

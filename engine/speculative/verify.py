@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from engine.sampling import SamplingBatchInfo
+from engine.sampling import SamplingBatchInfo, greedy_ids
 from engine.sampling.speculative_sampling import sample_drafted
 
 
@@ -26,7 +26,7 @@ def verify_batch(
 ) -> tuple[list[int], list[int]]:
     """(next token, accepted drafts) per request of a verify forward (`logits`: every position's):
     greedy requests by argmax agreement, sampling ones by rejection sampling."""
-    next_ids, accepted = accept_drafts(input_ids, extend_lens, logits.argmax(-1).tolist(), sampled)
+    next_ids, accepted = accept_drafts(input_ids, extend_lens, greedy_ids(logits).tolist(), sampled)
     if info.is_all_greedy:
         return next_ids, accepted
     rows = range(len(extend_lens)) if info.sample_indices is None else info.sample_indices.tolist()

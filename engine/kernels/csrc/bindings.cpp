@@ -16,6 +16,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax_rows(torch::Tensor x);
 bool quant_gemv_vectorized();
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
@@ -30,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a bf16 [T, 2I] gate|up slab");
   m.def("rotary", &rotary, "rotary embedding of bf16 [T, NH, D] heads");
+  m.def("argmax_rows", &argmax_rows, "argmax of each bf16/fp32 row (torch.argmax(dim=-1)'s answer)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("quant_gemv_vectorized", &quant_gemv_vectorized, "whether q4_gemv/q8_gemv run their vector loops here");
   // the quantized products and the fused layers release the GIL: the event loop runs meanwhile
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
