@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import default_torch_threads
+from engine import SamplingParams, default_torch_threads
 from engine.device.cpu_threads import allowed_cpus, cpu_quota, physical_cores
 from tests.test_engine import tiny_engine, tiny_tok_folder  # noqa: F401  (the fixture)
 
@@ -59,6 +59,34 @@ async def test_engine_defaults_keep_the_event_loop_off_the_forwards_cores(tiny_t
             assert (await engine.get_internal_state())["torch_threads"]["forward"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+async def test_the_model_loads_on_the_forward_thread(tiny_tok_folder, monkeypatch):
+    """On a CPU the model loads on the device stream's thread, the one that runs every forward:
+    libgomp keeps an OpenMP worker pool per thread that runs parallel regions, and a second pool
+    (loading in an executor thread made one) throttles every pool's spin-waits, which made the
+    2-thread forwards ~1.35x slower (docs/PERFORMANCE.md)."""
+    import threading
+
+    from engine.model_executor.model_runner import ModelRunner
+
+    loaded_on, ran_on = [], []
+    init, generate = ModelRunner.__init__, ModelRunner.forward_batch_generation
+
+    def recording_init(self, *args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        init(self, *args, **kwargs)
+
+    def recording_forward(self, batch):
+        ran_on.append(threading.current_thread())
+        return generate(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "__init__", recording_init)
+    monkeypatch.setattr(ModelRunner, "forward_batch_generation", recording_forward)
+    async with tiny_engine(tiny_tok_folder, torch_threads=None) as engine:
+        await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert len(loaded_on) == 1 and ran_on and set(ran_on) == set(loaded_on)
+    assert loaded_on[0] is not threading.main_thread()
 
 
 async def test_the_forward_thread_keeps_its_threads_whatever_the_caller_sets_next():
