@@ -71,7 +71,7 @@ class Engine:
         args = self.args
         device = args.resolved_device()
         on_cpu = device.type == "cpu"
-        if args.tp_size > 1 and self._tp is None:
+        if args.tp_size > 1 and self._runner is None and self._tp is None:  # loaded below
             self._tp = TPDriver(args)
         threads = args.torch_threads
         if on_cpu and threads is None:  # the tensor-parallel ranks on this host share its cores
