@@ -20,7 +20,7 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
 
 // Decode/extend in bf16 with vdpbf16ps; false when this build has no AVX512-BF16 or D is not 64/128
 // (the caller then runs the fp32-FMA kernels). Arguments are already validated. Decode: R slot
-// rows; qstart null (one query per row) or [R + 1] (row r's queries qstart[r] .. qstart[r + 1]).
+// rows, qstart [R + 1] (row r's queries qstart[r] .. qstart[r + 1]; 0, 1, .., R for one each).
 bool decode_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                               const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
                               float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale);

@@ -43,17 +43,11 @@ int64_t argmax_row(const T* x, int64_t n) {
   }
   for (int l = 0; l < 16; ++l)
     if (nan[l]) return first_nan(x, n);
+  // Below 16 values every lane is still -inf and lane 0 answers: the tail loop finds the rest.
   float top = hmax(best);
   int64_t at = n;
-  if (n >= 16) {
-    for (int l = 0; l < 16; ++l)
-      if (best[l] == top && best_at[l] < at) at = best_at[l];
-  } else {
-    at = 0;
-    top = static_cast<float>(x[0]);
-    i = 1;
-    if (top != top) return 0;
-  }
+  for (int l = 0; l < 16; ++l)
+    if (best[l] == top && best_at[l] < at) at = best_at[l];
   for (; i < n; ++i) {  // the tail comes after every vector lane: strict > keeps the first maximum
     const float v = static_cast<float>(x[i]);
     if (v != v) return first_nan(x, n);

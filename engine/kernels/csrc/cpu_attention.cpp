@@ -239,6 +239,7 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
   const int64_t R = slots.size(0), L = slots.size(1);
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && k_buf.size(2) == D && v_buf.sizes() == k_buf.sizes(), "head shapes");
   TORCH_CHECK(lens.size(0) == B, "one length per query");
+  std::vector<int64_t> one_each;  // without query_starts: row r's query is query r
   const int64_t* qs = nullptr;
   if (query_starts.has_value()) {
     const torch::Tensor& st = *query_starts;
@@ -249,12 +250,15 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
     for (int64_t r = 0; r < R; ++r) TORCH_CHECK(qs[r + 1] > qs[r], "every slot row has a query");
   } else {
     TORCH_CHECK(R == B, "one slot row per query");
+    one_each.resize(R + 1);
+    for (int64_t r = 0; r <= R; ++r) one_each[r] = r;
+    qs = one_each.data();
   }
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
     int64_t longest = 0;
-    for (int64_t b = qs != nullptr ? qs[r] : r; b < (qs != nullptr ? qs[r + 1] : r + 1); ++b) {
+    for (int64_t b = qs[r]; b < qs[r + 1]; ++b) {
       TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "length out of range");
       longest = std::max(longest, lp[b]);
     }
@@ -269,7 +273,7 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
                                            out.data_ptr<bf>(), lse.data_ptr<float>(), R, H, KVH, L, sc))
       return {out, lse};
   }
-  if (qs != nullptr) {  // the fp32-FMA kernels take one slot row per query: repeat each row
+  if (query_starts.has_value()) {  // the fp32-FMA kernels take one slot row per query: repeat each row
     auto owner = torch::repeat_interleave(torch::arange(R), query_starts->diff());
     slots = slots.index_select(0, owner).contiguous();
     sp = slots.data_ptr<int64_t>();

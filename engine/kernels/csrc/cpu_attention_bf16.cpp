@@ -136,10 +136,9 @@ void run_dynamic(int64_t n, const Body& body) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(claim); });
 }
 
-// A row is one request's KV (slots[r, :]) with one query per row, or with qstart (row r's queries
-// are q[qstart[r] .. qstart[r + 1]), lens per query, all over the row's leading slots): a
-// speculative verify's draft positions each attend as a decode query, and the grouped form reads
-// the row's K/V once for all of them. Each query's arithmetic is exactly the one-query kernel's:
+// A row is one request's KV (slots[r, :]); its queries are q[qstart[r] .. qstart[r + 1]) (one per
+// row in a plain decode), lens per query, all over the row's leading slots: a speculative
+// verify's draft positions each attend as a decode query, and a row's K/V is read once for all. Each query's arithmetic is exactly the one-query kernel's:
 // scores per key, a chunk's softmax step, P @ V in key order. Keys past a query's length are
 // masked (score -inf, p 0), which adds exact zeros to its sums and rescales by exp(0) = 1.
 template <int NV>
@@ -150,13 +149,11 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
   constexpr int64_t D = NV * 16;
   const int G = static_cast<int>(H / KVH);
   const int64_t row = KVH * D;
-  auto first_query = [&](int64_t r) { return qstart != nullptr ? qstart[r] : r; };
   std::vector<int64_t> row_len(R);  // the longest query of each row: the keys the row reads
   int max_q = 1;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t q0 = first_query(r), q1 = qstart != nullptr ? qstart[r + 1] : r + 1;
-    row_len[r] = *std::max_element(lens + q0, lens + q1);
-    max_q = std::max(max_q, static_cast<int>(q1 - q0));
+    row_len[r] = *std::max_element(lens + qstart[r], lens + qstart[r + 1]);
+    max_q = std::max(max_q, static_cast<int>(qstart[r + 1] - qstart[r]));
   }
   // A task is one row's KV heads [kh0, kh0 + hpt): all of them when there are enough rows to
   // share out, so a task streams whole slot records (every head's row of a token is adjacent in
@@ -184,8 +181,8 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
       const int64_t task = order[next];
       next = claim();  // known now, so its first rows can be prefetched while this task ends
       const int64_t r = task / tasks_per_row, kh0 = (task % tasks_per_row) * hpt, n = row_len[r];
-      const int64_t q0 = first_query(r);
-      const int nq = static_cast<int>(qstart != nullptr ? qstart[r + 1] - q0 : 1);
+      const int64_t q0 = qstart[r];
+      const int nq = static_cast<int>(qstart[r + 1] - q0);
       const int HQ = nq * G;  // heads over one KV head
       const int64_t* sl = slots + r * max_len;
       const int64_t nr = next >= 0 ? order[next] / tasks_per_row : -1;  // the next task's row
