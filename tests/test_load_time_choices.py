@@ -133,6 +133,22 @@ def test_crossover_measurement_is_cached_and_bounded(default_source):
     assert int4_crossover.measure_int4_crossover(int4) == first  # cached: the same shapes, threads
 
 
+@needs_fast_paths
+def test_crossover_of_cache_sized_projections_is_timed_cold(default_source, monkeypatch):
+    """Projections smaller than twice the last-level cache (the LM head, measured alone) are timed
+    after a read of an eviction buffer: timed hot, the dense head beat the Q8_0 kernel from 3 rows
+    while inside decode steps the Q8_0 head was faster up to 4."""
+    runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=64)
+    small = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)][:2]
+    reads: list[int] = []
+    monkeypatch.setattr(int4_crossover, "_cache", {})
+    monkeypatch.setattr(int4_crossover, "_evict", lambda buf: reads.append(0 if buf is None else buf.nbytes))
+    int4_crossover.measure_int4_crossover(small)
+    timed = [n for n in reads if n]
+    assert timed and len(timed) % (2 * int4_crossover.REPEATS) == 0  # before every timed pass of each side
+    assert min(timed) >= 2 * int4_crossover.last_level_cache_bytes()
+
+
 def _load(source, dtype: torch.dtype, with_q4: bool) -> tuple[LlamaForCausalLM, dict]:
     cfg = ModelConfig.from_hf(source.hf_config, source.architecture)
     model = LlamaForCausalLM(cfg, source.hf_config, CPU, dtype)
