@@ -28,15 +28,15 @@ inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512i load_bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
 
 // Scores of G query heads (bf16 vectors qv[g][DW]) against 16 K rows; lanes >= cnt are -inf.
-// rows[t] + off: the K row of key t (rows past cnt repeat a valid row; their lanes are masked).
+// rows[t]: the K row of key t (rows past cnt repeat a valid row; their lanes are masked).
 template <int DW>
-inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* rows, int64_t off, int cnt, float scale,
+inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* rows, int cnt, float scale,
                         float* s, int64_t s_stride, v16f* run_max) {
   const v16i valid = lanes_below(cnt);
   for (int g = 0; g < G; ++g) {
     v16f partial[kBlock];
     for (int t = 0; t < kBlock; ++t) {
-      const c10::BFloat16* row = rows[t] + off;
+      const c10::BFloat16* row = rows[t];
       __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[g * DW]), as_bh(load_bf16x32(row)));
       for (int j = 1; j < DW; ++j) a = _mm512_dpbf16_ps(a, as_bh(qv[g * DW + j]), as_bh(load_bf16x32(row + 32 * j)));
       partial[t] = (v16f)a;
@@ -49,17 +49,16 @@ inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* ro
 }
 
 // P @ V for HG heads over n keys: acc[g][2 * DW] (lanes in unpacklo/unpackhi order, see
-// store_unpacked) += sum_t p[g][t] * V[t], V[t] = vrows[t] + off. p holds bf16 pairs (an even
-// count, zero-padded).
+// store_unpacked) += sum_t p[g][t] * V[t], V[t] = vrows[t]. p holds bf16 pairs (an even count,
+// zero-padded).
 template <int DW, int HG>
-inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int64_t off, int n,
-                     v16f* acc) {
+inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int n, v16f* acc) {
   __m512 a[HG][2 * DW];
   for (int g = 0; g < HG; ++g)
     for (int j = 0; j < 2 * DW; ++j) a[g][j] = (__m512)acc[g * 2 * DW + j];
   for (int t = 0; t < n; t += 2) {
-    const c10::BFloat16* r0 = vrows[t] + off;
-    const c10::BFloat16* r1 = t + 1 < n ? vrows[t + 1] + off : r0;  // its p is 0
+    const c10::BFloat16* r0 = vrows[t];
+    const c10::BFloat16* r1 = t + 1 < n ? vrows[t + 1] : r0;  // its p is 0
     __m512i lo[DW], hi[DW];
     for (int j = 0; j < DW; ++j) {
       const __m512i v0 = load_bf16x32(r0 + 32 * j), v1 = load_bf16x32(r1 + 32 * j);
@@ -80,15 +79,22 @@ inline void pv_pairs(const uint16_t* p, int64_t p_stride, const c10::BFloat16* c
     for (int j = 0; j < 2 * DW; ++j) acc[g * 2 * DW + j] = (v16f)a[g][j];
 }
 
-// Runs pv_pairs over G heads in groups that keep every accumulator in a register.
+// Runs pv_pairs over G heads in groups that keep every accumulator in a register; the last group
+// takes all the heads left (3 for SmolLM2's 9 query / 3 KV heads), so each V pair is loaded and
+// interleaved once per group rather than once per head.
 template <int DW>
-inline void pv_heads(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int64_t off, int n,
-                     v16f* acc, int G) {
+inline void pv_heads(const uint16_t* p, int64_t p_stride, const c10::BFloat16* const* vrows, int n, v16f* acc,
+                     int G) {
   constexpr int kMaxGroup = 8 / DW;  // 2 * DW accumulators per head, 16 in all
   int g = 0;
   for (; g + kMaxGroup <= G; g += kMaxGroup)
-    pv_pairs<DW, kMaxGroup>(p + g * p_stride, p_stride, vrows, off, n, acc + g * 2 * DW);
-  for (; g < G; ++g) pv_pairs<DW, 1>(p + g * p_stride, p_stride, vrows, off, n, acc + g * 2 * DW);
+    pv_pairs<DW, kMaxGroup>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
+  const int rest = G - g;  // fewer than kMaxGroup
+  if constexpr (kMaxGroup > 3)
+    if (rest == 3) return pv_pairs<DW, 3>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
+  if constexpr (kMaxGroup > 2)
+    if (rest == 2) return pv_pairs<DW, 2>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
+  for (; g < G; ++g) pv_pairs<DW, 1>(p + g * p_stride, p_stride, vrows, n, acc + g * 2 * DW);
 }
 
 // acc lanes back to dimension order: unpacklo/hi_epi16 interleave within 128-bit lanes, so lane
@@ -155,20 +161,19 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
     row_len[r] = *std::max_element(lens + qstart[r], lens + qstart[r + 1]);
     max_q = std::max(max_q, static_cast<int>(qstart[r + 1] - qstart[r]));
   }
-  // A task is one row's KV heads [kh0, kh0 + hpt): all of them when there are enough rows to
-  // share out, so a task streams whole slot records (every head's row of a token is adjacent in
-  // the pool) rather than one strided head at a time.
-  const int64_t hpt = R >= 4 * at::get_num_threads() ? KVH : 1;
-  const int64_t tasks_per_row = KVH / hpt;
+  // A task is one row's KV head kh: its G (x queries) heads read that head's part of each slot
+  // record. Tasks that took all of a row's KV heads (whole records, when rows were plentiful)
+  // were 4-17% slower per decode step at 8-64 rows (2 threads): a task's scratch and prefetch
+  // window are a KV head's, and the threads share out three times as many tasks.
+  const int64_t tasks = R * KVH;
   // Longest rows first, so the last tasks handed out are short ones.
-  std::vector<int64_t> order(R * tasks_per_row);
-  for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
+  std::vector<int64_t> order(tasks);
+  for (int64_t i = 0; i < tasks; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return row_len[a / tasks_per_row] > row_len[b / tasks_per_row]; });
-  run_dynamic(static_cast<int64_t>(order.size()), [&](const auto& claim) {
-    // Query heads of a task, ordered (KV head k, query i, group g): the heads over one KV head
-    // are adjacent, so P @ V shares each V row among all of them.
-    const int max_heads = static_cast<int>(hpt) * max_q * G;
+                   [&](int64_t a, int64_t b) { return row_len[a / KVH] > row_len[b / KVH]; });
+  run_dynamic(tasks, [&](const auto& claim) {
+    // Query heads of a task, ordered (query i, group g): P @ V shares each V row among all of them.
+    const int max_heads = max_q * G;
     const int64_t p_stride = kChunk + kBlock;
     std::vector<__m512i> qv(max_heads * DW);
     std::vector<float> s(max_heads * kChunk);
@@ -180,58 +185,53 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
     while (next >= 0) {
       const int64_t task = order[next];
       next = claim();  // known now, so its first rows can be prefetched while this task ends
-      const int64_t r = task / tasks_per_row, kh0 = (task % tasks_per_row) * hpt, n = row_len[r];
+      const int64_t r = task / KVH, kh = task % KVH, n = row_len[r];
       const int64_t q0 = qstart[r];
       const int nq = static_cast<int>(qstart[r + 1] - q0);
-      const int HQ = nq * G;  // heads over one KV head
+      const int heads = nq * G;
       const int64_t* sl = slots + r * max_len;
-      const int64_t nr = next >= 0 ? order[next] / tasks_per_row : -1;  // the next task's row
-      const int64_t next_n = nr >= 0 ? row_len[nr] : 0, next_kh0 = next >= 0 ? (order[next] % tasks_per_row) * hpt : 0;
-      for (int64_t k = 0; k < hpt; ++k)
-        for (int i = 0; i < nq; ++i)
-          for (int g = 0; g < G; ++g) {
-            const int hh = (static_cast<int>(k) * nq + i) * G + g;
-            const int64_t head = (q0 + i) * H + (kh0 + k) * G + g;
-            for (int j = 0; j < DW; ++j) qv[hh * DW + j] = load_bf16x32(q + head * D + 32 * j);
-            for (int j = 0; j < 2 * DW; ++j) acc[hh * 2 * DW + j] = splat(0.0f);
-            run_max[hh] = -std::numeric_limits<float>::infinity();
-            run_sum[hh] = 0.0f;
-          }
-      const int heads = static_cast<int>(hpt) * HQ;
-      const int64_t pf_bytes = hpt * D * 2;  // the task's part of each record
+      const int64_t nr = next >= 0 ? order[next] / KVH : -1;  // the next task's row and KV head
+      const int64_t next_n = nr >= 0 ? row_len[nr] : 0, next_kh = next >= 0 ? order[next] % KVH : 0;
+      for (int i = 0; i < nq; ++i)
+        for (int g = 0; g < G; ++g) {
+          const int hh = i * G + g;
+          const int64_t head = (q0 + i) * H + kh * G + g;
+          for (int j = 0; j < DW; ++j) qv[hh * DW + j] = load_bf16x32(q + head * D + 32 * j);
+          for (int j = 0; j < 2 * DW; ++j) acc[hh * 2 * DW + j] = splat(0.0f);
+          run_max[hh] = -std::numeric_limits<float>::infinity();
+          run_sum[hh] = 0.0f;
+        }
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int cn = static_cast<int>(n - c0 < kChunk ? n - c0 : kChunk);
         for (int t = 0; t < cn; ++t) {
-          const int64_t off = sl[c0 + t] * row + kh0 * D;
+          const int64_t off = sl[c0 + t] * row + kh * D;
           krows[t] = kb + off;
           vrows[t] = vb + off;
         }
         for (int t = cn; t < kChunk + kBlock; ++t) krows[t] = krows[0];  // score_block reads whole blocks
         for (int hh = 0; hh < heads; ++hh) run_max_v[hh] = splat(-std::numeric_limits<float>::infinity());
         for (int t0 = 0; t0 < cn; t0 += kBlock) {
-          // K and V records kPrefetch blocks ahead (the slots are scattered: the hardware cannot
+          // K and V rows kPrefetch blocks ahead (the slots are scattered: the hardware cannot
           // guess them), so the P @ V pass finds this chunk's V rows in cache. The window counts
           // from the task's start and runs on past its end into the next task's first rows, so
           // the next chunk's (or task's) rows are on their way during this chunk's P @ V pass.
           const int64_t first = c0 + t0 == 0 ? 0 : c0 + t0 + kPrefetch * kBlock;
           for (int64_t t = first; t < n + next_n && t < c0 + t0 + (kPrefetch + 1) * kBlock; ++t) {
-            const int64_t off = t < n ? sl[t] * row + kh0 * D : slots[nr * max_len + t - n] * row + next_kh0 * D;
+            const int64_t off = t < n ? sl[t] * row + kh * D : slots[nr * max_len + t - n] * row + next_kh * D;
             const char* kr = reinterpret_cast<const char*>(kb + off);
             const char* vr = reinterpret_cast<const char*>(vb + off);
-            for (int64_t byte = 0; byte < pf_bytes; byte += 64) {
+            for (int64_t byte = 0; byte < D * 2; byte += 64) {
               prefetch_l2(kr + byte);
               prefetch_l2(vr + byte);
             }
           }
           const int cnt = cn - t0 < kBlock ? cn - t0 : kBlock;
-          for (int64_t k = 0; k < hpt; ++k)
-            for (int i = 0; i < nq; ++i) {  // query i sees its own keys only: the rest score -inf
-              const int64_t seen = lens[q0 + i] - (c0 + t0);
-              const int qcnt = static_cast<int>(seen < cnt ? (seen > 0 ? seen : 0) : cnt);
-              const int hh = (static_cast<int>(k) * nq + i) * G;
-              score_block<DW>(qv.data() + hh * DW, G, krows.data() + t0, k * D, qcnt, scale,
-                              s.data() + hh * kChunk + t0, kChunk, run_max_v.data() + hh);
-            }
+          for (int i = 0; i < nq; ++i) {  // query i sees its own keys only: the rest score -inf
+            const int64_t seen = lens[q0 + i] - (c0 + t0);
+            const int qcnt = static_cast<int>(seen < cnt ? (seen > 0 ? seen : 0) : cnt);
+            score_block<DW>(qv.data() + i * G * DW, G, krows.data() + t0, qcnt, scale,
+                            s.data() + i * G * kChunk + t0, kChunk, run_max_v.data() + i * G);
+          }
         }
         const int padded = (cn + 1) & ~1;
         for (int hh = 0; hh < heads; ++hh) {
@@ -240,18 +240,15 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
                             acc.data() + hh * 2 * DW, pg);
           if (padded > cn) pg[cn] = 0;
         }
-        for (int64_t k = 0; k < hpt; ++k)
-          pv_heads<DW>(p.data() + k * HQ * p_stride, p_stride, vrows.data(), k * D, cn, acc.data() + k * HQ * 2 * DW,
-                       HQ);
+        pv_heads<DW>(p.data(), p_stride, vrows.data(), cn, acc.data(), heads);
       }
-      for (int64_t k = 0; k < hpt; ++k)
-        for (int i = 0; i < nq; ++i)
-          for (int g = 0; g < G; ++g) {
-            const int hh = (static_cast<int>(k) * nq + i) * G + g;
-            const int64_t head = (q0 + i) * H + (kh0 + k) * G + g;
-            store_unpacked<DW>(acc.data() + hh * 2 * DW, 1.0f / run_sum[hh], out + head * D);
-            lse[head] = run_max[hh] + std::log(run_sum[hh]);
-          }
+      for (int i = 0; i < nq; ++i)
+        for (int g = 0; g < G; ++g) {
+          const int hh = i * G + g;
+          const int64_t head = (q0 + i) * H + kh * G + g;
+          store_unpacked<DW>(acc.data() + hh * 2 * DW, 1.0f / run_sum[hh], out + head * D);
+          lse[head] = run_max[hh] + std::log(run_sum[hh]);
+        }
     }
   });
 }
