@@ -20,11 +20,12 @@ side cached and put the crossover at 34 rows, where a real batch of 32 decoded 1
 dense). Projections that add up to less (the LM head, measured alone; a small model's layers) are
 timed after a read of an eviction buffer twice the cache's size: in a forward the other
 projections' weights pass through the cache between two calls of one. Timed hot, the default
-model's Q8_0 head (28 MB, inside a 32 MB L3) lost to the dense head at 3 rows, while in decode
-steps the dense head at 4 rows took 2.6 ms against the quantized kernel's ~0.9 ms. Each point is the minimum of a few alternating repeats (noise on a shared machine only
-ever adds time, and alternation exposes both sides to the same load); the answer is interpolated
-between the last win and the first loss, where a win means beating the dense side by
-REQUIRED_WIN (see there). Results are cached per process for the same shapes and thread count.
+model's Q8_0 head (28 MB, inside a 32 MB L3) lost to the dense head from 3 rows, while whole
+decode steps of 3 rows were 0.6 ms faster with it and even at 4; timed cold the crossover is 4-5.
+Each point is the minimum of a few alternating repeats (noise on a shared machine only ever adds
+time, and alternation exposes both sides to the same load); the answer is interpolated between
+the last win and the first loss, where a win means beating the dense side by REQUIRED_WIN (see
+there). Results are cached per process for the same shapes and thread count.
 About 0.4 s for the default model.
 """
 
