@@ -86,6 +86,10 @@ class Metrics:
     mean_concurrency: float
     ttft_ms: Stats
     itl_ms: Stats
+    # Output tokens per streamed chunk: above 1 where a chunk carries several tokens, e.g. an
+    # OpenAI stream holding back a token that ends inside a UTF-8 character until the next one
+    # completes it (text-only protocols); each such chunk's ITL spans two steps. None: no chunks.
+    tokens_per_chunk: float | None
     tpot_ms: Stats
     e2e_ms: Stats
     errors: list[dict[str, Any]]  # the first distinct messages: {"message", "count"}
@@ -100,6 +104,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> Metrics:
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     counts = Counter(r.error for r in failed)
     errors = [{"message": m, "count": n} for m, n in list(counts.items())[:MAX_ERRORS_SHOWN]]
+    chunks = sum(len(r.chunk_times_ms) for r in ok)
     return Metrics(
         completed=len(ok),
         failed=len(failed),
@@ -114,6 +119,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> Metrics:
         mean_concurrency=sum(r.e2e_ms for r in ok) / 1000.0 / dur,
         ttft_ms=Stats.of([r.ttft_ms for r in ok]),
         itl_ms=Stats.of([x for r in ok for x in r.itl_ms]),
+        tokens_per_chunk=total_out / chunks if chunks else None,
         tpot_ms=Stats.of([t for r in ok if (t := r.tpot_ms) is not None]),
         e2e_ms=Stats.of([r.e2e_ms for r in ok]),
         errors=errors,
@@ -190,6 +196,7 @@ def format_table(result: BenchmarkResult) -> str:
         *_stats_rows("TPOT", m.tpot_ms),
         _rule("Inter-Token Latency (per chunk)"),
         *_stats_rows("ITL", m.itl_ms),
+        _row("Output tokens per chunk:", m.tokens_per_chunk),
         _rule(fill="="),
     ]
     if m.errors:

@@ -79,6 +79,9 @@ async def test_random_dataset_per_backend(tiny_server, default_tokenizer, tmp_pa
             assert sum(rec.chunk_tokens) == rec.output_tokens
     assert m.total_output_tokens == sum(c.turns[0].output_len for c in expected)
     assert 0 < m.ttft_ms.median <= m.e2e_ms.p99 and m.tpot_ms.mean > 0 and m.itl_ms.mean > 0
+    chunks = sum(len(rec.chunk_times_ms) for rec in res.records)
+    assert m.tokens_per_chunk == pytest.approx(m.total_output_tokens / chunks) and m.tokens_per_chunk >= 1
+    assert "Output tokens per chunk:" in serving.format_table(res)
     data = json.loads(out_file.read_text())
     for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput", "mean_concurrency"):
         assert key in data["metrics"], key
