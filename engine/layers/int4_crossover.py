@@ -110,8 +110,9 @@ def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
     gen = torch.Generator().manual_seed(0)
     int4_fns = [m.packed.matmul for m in chosen]
     dense_fns = [m.big for m in chosen]
-    cached = sum(m.packed.nbytes for m in chosen) < 2 * last_level_cache_bytes()
-    evict = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32) if cached else None
+    twice_llc = 2 * last_level_cache_bytes()
+    cached = sum(m.packed.nbytes for m in chosen) < twice_llc  # cold_cache_prefix took them all
+    evict = torch.ones(twice_llc // 4, dtype=torch.float32) if cached else None
     prev_rows, prev_gain, result = 0, 0.0, CANDIDATE_ROWS[-1]
     with torch.inference_mode():
         for rows in CANDIDATE_ROWS:

@@ -144,9 +144,10 @@ void run_dynamic(int64_t n, const Body& body) {
 
 // A row is one request's KV (slots[r, :]); its queries are q[qstart[r] .. qstart[r + 1]) (one per
 // row in a plain decode), lens per query, all over the row's leading slots: a speculative
-// verify's draft positions each attend as a decode query, and a row's K/V is read once for all. Each query's arithmetic is exactly the one-query kernel's:
-// scores per key, a chunk's softmax step, P @ V in key order. Keys past a query's length are
-// masked (score -inf, p 0), which adds exact zeros to its sums and rescales by exp(0) = 1.
+// verify's draft positions each attend as a decode query, and a row's K/V is read once for all.
+// Each query's arithmetic is exactly the one-query kernel's: scores per key, a chunk's softmax
+// step, P @ V in key order. Keys past a query's length are masked (score -inf, p 0), which adds
+// exact zeros to its sums and rescales by exp(0) = 1.
 template <int NV>
 void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                            const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
