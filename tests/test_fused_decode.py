@@ -2,9 +2,10 @@
 
 Pinned here: every fused forward's output is bit-identical to the Python layers' on the same
 input and KV state (checked on each call of a real continuous batch with overlap, requests joining
-and leaving, batches above the row bound taking the Python path in between); the fused path is
-taken where the issue's single stream runs (the default model in bf16 through `Engine`'s
-defaults) and is off where it must be (fp32, the 4-bit path off, the flag, the torch backend).
+and leaving: prefills, decodes below the 4-bit row bound and above it, where each projection runs
+its oneDNN weight); the fused path is taken where the issue's single stream runs (the default
+model in bf16 through `Engine`'s defaults) and by dense-only bf16 models, and is off where it must
+be (fp32, the flag, the torch backend); a projection with no dense form bounds its rows.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def _runner(source, **kw) -> ModelRunner:
 def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, default_tokenizer, monkeypatch):
     runner = _runner(default_source)
     model = runner.model
-    assert model.fused_decode is not None and model.fused_decode.max_rows == 4
+    assert model.fused_decode is not None and model.fused_decode.max_rows is None  # dense above 4 rows
     fused_forward = FusedDecodeLayers.forward
-    rows_seen: list[int] = []
+    rows_seen: list[tuple[str, int]] = []
 
     def checked(self, x, cos, sin, fb, plan):
         reference = x.clone()
@@ -40,7 +41,7 @@ def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, def
             reference = layer(reference, cos, sin, fb)
         out = fused_forward(self, x, cos, sin, fb, plan)
         assert torch.equal(out, reference)
-        rows_seen.append(x.shape[0])
+        rows_seen.append((fb.forward_mode.name, x.shape[0]))
         return out
 
     monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
@@ -51,7 +52,9 @@ def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, def
     reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
     sched.run_until_idle(overlap=True)
     assert [len(r.output_ids) for r in reqs] == lengths
-    assert 1 in rows_seen and max(rows_seen) == 4  # five requests decode unfused until one leaves
+    decode_rows = {rows for mode, rows in rows_seen if mode == "DECODE"}
+    assert {1, 4, 5} <= decode_rows  # 4-bit up to 4 rows, oneDNN at 5; requests leave one by one
+    assert any(mode == "EXTEND" and rows > 4 for mode, rows in rows_seen)  # the prefill too
     sched.scheduler.check_memory()
 
     plain = _runner(default_source, disable_fused_decode=True)
@@ -64,11 +67,22 @@ def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, def
 
 def test_fused_path_only_where_it_applies(default_source):
     assert _runner(default_source, dtype="float32").model.fused_decode is None
-    assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None
+    dense_only = _runner(default_source, q4_max_tokens=0).model.fused_decode  # every projection oneDNN
+    assert dense_only is not None and dense_only.max_rows is None
+    assert _runner(default_source, disable_fused_decode=True).model.fused_decode is None
     assert _runner(default_source, attention_backend="torch").model.fused_decode is None
     measured = _runner(default_source, q4_max_tokens=None)  # the defaults: the bound is measured
     fused = measured.model.fused_decode
-    assert fused is not None and fused.max_rows == measured.q4_max_tokens >= 1
+    assert fused is not None and fused.max_rows is None and measured.q4_max_tokens >= 1
+
+
+def test_a_projection_without_a_dense_form_bounds_the_fused_rows(default_source, monkeypatch):
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "onednn_prepack_available", lambda: False)  # big forms stay F.linear
+    fused = _runner(default_source).model.fused_decode
+    assert fused is not None and fused.max_rows == 4
+    assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None  # nothing it can run
 
 
 def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source, default_tokenizer, monkeypatch):

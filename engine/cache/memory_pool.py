@@ -15,6 +15,8 @@ from collections import deque
 
 import torch
 
+from engine.host_memory import zeros_on_huge_pages
+
 # One write to the request table: (row, first position, KV slots), as a worker replays it.
 TableWrite = tuple[int, int, list[int]]
 
@@ -184,8 +186,14 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [self._zeros(shape) for _ in range(num_layers)]
+        self.v_buffer = [self._zeros(shape) for _ in range(num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        # A CPU decode reads scattered slots: huge pages spare it a TLB miss per row (host_memory).
+        if self.device.type == "cpu":
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id][slots] = k.to(self.dtype)

@@ -9,10 +9,12 @@ streaming) runs beside it instead of waiting between ops.
 
 When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
 one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers (no biases, no q/k
-norm, SiLU), every projection in our 4-bit form, and a bf16 KV pool. Each forward then takes it
-when it has at most the projections' row bound of tokens and its attention plan is the plain
-kernel decode or extend (a decode step, a speculative verify, a short prefill; cascade plans for
-shared prefixes keep the Python layers).
+norm, SiLU), every projection in our 4-bit form and/or prepacked for oneDNN, and a bf16 KV pool.
+A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
+step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
+and, where some projection has only its 4-bit form, it has at most that form's row bound of
+tokens. Above the bound each projection runs its oneDNN weight, as QuantLinear does: at batch
+32-128 the Python between the ops still cost ~2-3 ms a step (docs/PERFORMANCE.md, ninth session).
 """
 
 from __future__ import annotations
@@ -26,22 +28,31 @@ from engine.kernels import cpu_extension
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import QuantLinear
+from engine.layers.linear import OneDNNLinear, QuantLinear
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
-def _tiled(module: Any) -> TiledQ4Weight | None:
+def _forms(module: Any) -> tuple[list[torch.Tensor], int, int | None] | None:
+    """(parts, out_features, 4-bit row bound) of a projection the C++ loop can run: its 4-bit
+    tiles (codes, scales, offsets) and/or its oneDNN-packed dense weight, or None (a bias, a form
+    the loop has no kernel for). The bound is None when the projection has no 4-bit form."""
+    if isinstance(module, OneDNNLinear) and module.bias is None:
+        return [module.packed], module.out_features, None
     if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight) and module.bias is None:
-        return module.packed
+        tiles = module.packed.tiles
+        parts = [tiles.codes, tiles.scales, tiles.offsets]
+        if isinstance(module.big, OneDNNLinear):
+            parts.append(module.big.packed)
+        return parts, tiles.out_features, module.max_rows
     return None
 
 
 class FusedDecodeLayers:
     """The C++ layer loop of one model over its KV pool; see the module docstring."""
 
-    def __init__(self, native: Any, max_rows: int) -> None:
+    def __init__(self, native: Any, max_rows: int | None) -> None:
         self.native = native
-        self.max_rows = max_rows
+        self.max_rows = max_rows  # None: every projection has a dense form, any row count runs
 
     @classmethod
     def build(cls, model: Any, pool: KVCache) -> FusedDecodeLayers | None:
@@ -54,38 +65,40 @@ class FusedDecodeLayers:
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             return None
         layers = model.layers
-        forms: list[list[TiledQ4Weight]] = []
-        bounds = set()
+        forms: list[list[tuple[list[torch.Tensor], int, int | None]]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            tiled = [_tiled(p) for p in projections]
-            if attn.qk_norm is not None or not isinstance(mlp.act_fn, SiluAndMul) or None in tiled:
+            projections = [_forms(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if attn.qk_norm is not None or not isinstance(mlp.act_fn, SiluAndMul) or None in projections:
                 return None
-            forms.append([t for t in tiled if t is not None])
-            bounds |= {p.max_rows for p in projections if isinstance(p, QuantLinear)}
-        if len(bounds) != 1:
+            forms.append([f for f in projections if f is not None])
+        bounds = {bound for layer in forms for _, _, bound in layer}
+        q4_bounds = bounds - {None}
+        if len(q4_bounds) > 1:
             return None
+        q4_rows = q4_bounds.pop() if q4_bounds else 0
+        dense_everywhere = all(len(parts) != 3 for layer in forms for parts, _, _ in layer)
         native = module.DecodeLayers(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5
         )
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
             native.add_layer(
                 layer.input_layernorm.weight,
-                *_parts(qkv),
-                *_parts(o),
+                *qkv[:2],
+                *o[:2],
                 layer.post_attention_layernorm.weight,
-                *_parts(gate_up),
-                *_parts(down),
+                *gate_up[:2],
+                *down[:2],
                 pool.k_buffer[i],
                 pool.v_buffer[i],
+                q4_rows,
             )
-        return cls(native, bounds.pop())
+        return cls(native, None if dense_everywhere else q4_rows)
 
     def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
         """This forward's kernel attention plan when the fused loop takes the forward (at most
         `max_rows` tokens, the plain kernel decode or extend plan), else None."""
-        if num_tokens > self.max_rows:
+        if self.max_rows is not None and num_tokens > self.max_rows:
             return None
         backend = fb.attn_backend
         plan = backend.plan if isinstance(backend, CpuAttnBackend) else None
@@ -104,7 +117,3 @@ class FusedDecodeLayers:
             return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts)
         return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None)
 
-
-def _parts(w: TiledQ4Weight) -> tuple[list[torch.Tensor], int]:
-    tiles = w.tiles
-    return [tiles.codes, tiles.scales, tiles.offsets], tiles.out_features

@@ -1,17 +1,21 @@
-// Every decoder layer of a small decode batch (or a small extend, such as a speculative verify) in
-// one C++ call (engine/layers/fused_decode.py).
+// Every decoder layer of a decode batch (or an extend the attention kernels plan, such as a
+// speculative verify) in one C++ call (engine/layers/fused_decode.py).
 //
 // Why: after the 4-bit GEMVs (cpu_quant_gemv.cpp) made a bs-1 step's weight reads cheap, the
 // Python between the ops was a third of the step: ~14 calls per layer, each an interpreter
 // dispatch, a pybind crossing and tensor wrapping, on the one core the forward has. This runs the
 // same C++ kernels in the same order with the same arguments as the Python layers do (RMSNorm,
-// q|k|v GEMV, rotary, K/V store, paged decode attention, o GEMV, residual add + RMSNorm, gate|up
-// GEMV, SiLU-and-mul, down GEMV, residual add; the extend attention kernel for an extend), so its
-// results are bit-identical to them, and it runs with the GIL released: the event loop's thread
-// gets the interpreter for the whole step.
+// q|k|v projection, rotary, K/V store, paged decode attention, o projection, residual add +
+// RMSNorm, gate|up projection, SiLU-and-mul, down projection, residual add; the extend attention
+// kernel for an extend), so its results are bit-identical to them, and it runs with the GIL
+// released: the event loop's thread gets the interpreter for the whole step. Larger batches take
+// each projection's prepacked oneDNN weight, as QuantLinear/OneDNNLinear do above their 4-bit row
+// bound: there the Python was still ~2-3 ms a step, and a 2-core forward's second thread spun
+// through it.
 //
 // Scope (checked on the Python side): Llama-style layers with no biases and no q/k norm, bf16,
-// every projection 4-bit, the fused elementwise kernels, the kernel attention plans, one rank.
+// every projection 4-bit and/or prepacked for oneDNN, the fused elementwise kernels, the kernel
+// attention plans, one rank.
 
 #include "decode_layers.h"
 
@@ -31,13 +35,37 @@ namespace asyncllm {
 
 namespace {
 
-Q4Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features) {
-  TORCH_CHECK(parts.size() == 3, "a 4-bit projection is (codes, scales, offsets)");
-  return Q4Projection{parts[0], parts[1], parts[2], out_features};
+Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
+  TORCH_CHECK(parts.size() == 1 || parts.size() == 3 || parts.size() == 4,
+              "a projection is (codes, scales, offsets), its dense weight, or both");
+  Projection p{};
+  p.out_features = out_features;
+  p.q4_rows = parts.size() == 1 ? 0 : q4_rows;
+  if (parts.size() >= 3) {
+    p.codes = parts[0];
+    p.scales = parts[1];
+    p.offsets = parts[2];
+  }
+  if (parts.size() != 3) p.dense = parts.back();
+  return p;
 }
 
-torch::Tensor gemv(const torch::Tensor& x, const Q4Projection& w) {
-  return q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+// mkldnn::_linear_pointwise on a prepacked weight with no bias and no fused op: the call
+// OneDNNLinear.forward makes, through the dispatcher, so both paths run the same kernel.
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  c10::List<std::optional<at::Scalar>> scalars;
+  scalars.push_back(std::nullopt);
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), scalars, std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
+  if (x.size(0) <= w.q4_rows || !w.dense.defined())
+    return q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+  return dense_linear(x, w.dense);
 }
 
 }  // namespace
@@ -50,14 +78,15 @@ DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head
 void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out,
                              std::vector<torch::Tensor> o, int64_t o_out, torch::Tensor post_norm,
                              std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
-                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer) {
+                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows) {
   TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
   TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
   TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == num_kv_heads_ && k_buffer.size(2) == head_dim_ &&
                   v_buffer.sizes() == k_buffer.sizes(),
               "KV buffers [S, KVH, D]");
-  layers_.push_back(DecodeLayer{input_norm, post_norm, projection(qkv, qkv_out), projection(o, o_out),
-                                projection(gate_up, gate_up_out), projection(down, down_out), k_buffer, v_buffer});
+  layers_.push_back(DecodeLayer{input_norm, post_norm, projection(qkv, qkv_out, q4_rows),
+                                projection(o, o_out, q4_rows), projection(gate_up, gate_up_out, q4_rows),
+                                projection(down, down_out, q4_rows), k_buffer, v_buffer});
 }
 
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,

@@ -1,4 +1,5 @@
-// A model's decoder layers for small decode batches, run as one C++ call (cpu_decode_layers.cpp).
+// A model's decoder layers for a decode batch or a kernel-planned extend, run as one C++ call
+// (cpu_decode_layers.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -8,24 +9,32 @@
 
 namespace asyncllm {
 
-// One 4-bit projection in cpu_quant_gemv.cpp's tiled layout.
-struct Q4Projection {
+// One projection: its 4-bit form (cpu_quant_gemv.cpp's tiled layout) for inputs of at most
+// q4_rows rows, its oneDNN-prepacked bf16 weight (engine/layers/linear.py OneDNNLinear) for more.
+// Either may be missing (undefined tensors): a dense-only model has q4_rows 0, a projection with
+// no dense form serves at most q4_rows rows.
+struct Projection {
   torch::Tensor codes, scales, offsets;
+  torch::Tensor dense;
   int64_t out_features;
+  int64_t q4_rows;
 };
 
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
-  Q4Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
   torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
 };
 
 class DecodeLayers {
  public:
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
+  // Each projection's parts: (codes, scales, offsets) for a 4-bit form, then the prepacked dense
+  // weight if it has one (so 1, 3 or 4 tensors); q4_rows bounds the 4-bit form's inputs.
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
-                 std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer);
+                 std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
+                 int64_t q4_rows);
   // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
   // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
