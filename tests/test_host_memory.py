@@ -4,6 +4,7 @@ pool's buffers are zeroed, 2 MiB-aligned and (where the system allows) on huge p
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_the_scheduler_trims_when_it_goes_idle(monkeypatch):
 
 def _thp_mode() -> str | None:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return None
     return text.split("[")[1].split("]")[0]
@@ -37,7 +38,7 @@ def _thp_mode() -> str | None:
 def _huge_kib_at(address: int) -> int:
     """AnonHugePages (KiB) of the mapping that holds `address`, from /proc/self/smaps."""
     inside = False
-    for line in open("/proc/self/smaps"):
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
