@@ -116,4 +116,3 @@ class FusedDecodeLayers:
         if isinstance(plan, KernelDecodePlan):
             return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts)
         return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None)
-
