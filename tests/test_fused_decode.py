@@ -4,8 +4,9 @@ Pinned here: every fused forward's output is bit-identical to the Python layers'
 input and KV state (checked on each call of a real continuous batch with overlap, requests joining
 and leaving: prefills, decodes below the 4-bit row bound and above it, where each projection runs
 its oneDNN weight); the fused path is taken where the issue's single stream runs (the default
-model in bf16 through `Engine`'s defaults) and by dense-only bf16 models, and is off where it must
-be (fp32, the flag, the torch backend); a projection with no dense form bounds its rows.
+model in bf16 through `Engine`'s defaults) and by dense-only bf16 models (Qwen2's q|k|v biases and
+Qwen3's q/k norm included, bit-identical too), and is off where it must be (fp32, the flag, the
+torch backend); a projection with no dense form bounds its rows.
 """
 
 from __future__ import annotations
@@ -28,23 +29,30 @@ def _runner(source, **kw) -> ModelRunner:
     return ModelRunner(ServerArgs(**(args | kw)), source)
 
 
+def _check_every_fused_forward(monkeypatch, model) -> list[tuple[str, int]]:
+    """Make every fused forward also run the Python layers on the same input first (writing the
+    same K/V) and assert the outputs are bit-identical; returns (forward mode, rows) per call."""
+    fused_forward = FusedDecodeLayers.forward
+    seen: list[tuple[str, int]] = []
+
+    def checked(self, x, cos, sin, fb, plan):
+        reference = x.clone()
+        for layer in model.layers:
+            reference = layer(reference, cos, sin, fb)
+        out = fused_forward(self, x, cos, sin, fb, plan)
+        assert torch.equal(out, reference)
+        seen.append((fb.forward_mode.name, x.shape[0]))
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
+    return seen
+
+
 def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, default_tokenizer, monkeypatch):
     runner = _runner(default_source)
     model = runner.model
     assert model.fused_decode is not None and model.fused_decode.max_rows is None  # dense above 4 rows
-    fused_forward = FusedDecodeLayers.forward
-    rows_seen: list[tuple[str, int]] = []
-
-    def checked(self, x, cos, sin, fb, plan):
-        reference = x.clone()
-        for layer in model.layers:  # writes the same K/V the fused loop writes next
-            reference = layer(reference, cos, sin, fb)
-        out = fused_forward(self, x, cos, sin, fb, plan)
-        assert torch.equal(out, reference)
-        rows_seen.append((fb.forward_mode.name, x.shape[0]))
-        return out
-
-    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
+    rows_seen = _check_every_fused_forward(monkeypatch, model)
     texts = ["The lighthouse keeper climbed", "def fibonacci(n):", "1, 2, 3,", "Dear diary, today", "Once upon"]
     prompts = [default_tokenizer.encode(t) for t in texts]
     sched = SyncScheduler(runner)
@@ -99,21 +107,56 @@ def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source
     runner = _runner(default_source, speculative_algorithm="NGRAM", q4_max_tokens=rows)
     model = runner.model
     assert model.lm_head.max_rows >= rows  # the verify rows of one request take the decode's head
-    fused_forward = FusedDecodeLayers.forward
-    modes: list[str] = []
-
-    def checked(self, x, cos, sin, fb, plan):
-        reference = x.clone()
-        for layer in model.layers:
-            reference = layer(reference, cos, sin, fb)
-        out = fused_forward(self, x, cos, sin, fb, plan)
-        assert torch.equal(out, reference)
-        modes.append(fb.forward_mode.name)
-        return out
-
-    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
+    seen = _check_every_fused_forward(monkeypatch, model)
     sched = SyncScheduler(runner)
     spec = sched.generate([prompt], params)[0].output_ids
     assert spec == plain
-    assert "TARGET_VERIFY" in modes
+    assert "TARGET_VERIFY" in {mode for mode, _ in seen}
     sched.scheduler.check_memory()
+
+
+# Qwen2 (q|k|v biases) and Qwen3 (q/k norm) with head_dim 64, the kernels' smallest: dense bf16
+# safetensors models, so every projection runs its oneDNN weight in the loop.
+QWEN_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3-qknorm"])
+def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    from engine.models.loader import resolve_model
+
+    config = Qwen2Config(**QWEN_SHAPE) if kind == "qwen2-bias" else Qwen3Config(**QWEN_SHAPE, head_dim=64)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # every weight random, biases and norm weights included
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    source = resolve_model(str(tmp_path))
+    runner = _runner(source)
+    model = runner.model
+    attn = model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None) == (kind == "qwen2-bias")
+    assert (attn.qk_norm is not None) == (kind == "qwen3-qknorm")
+    assert model.fused_decode is not None and model.fused_decode.max_rows is None
+    seen = _check_every_fused_forward(monkeypatch, model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 12)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    fused_out = [r.output_ids for r in SyncScheduler(runner).generate(prompts, params)]
+    assert {"EXTEND", "DECODE"} <= {mode for mode, _ in seen} and max(rows for _, rows in seen) >= 5
+
+    monkeypatch.undo()
+    plain = _runner(source, disable_fused_decode=True)
+    assert plain.model.fused_decode is None
+    assert [r.output_ids for r in SyncScheduler(plain).generate(prompts, params)] == fused_out

@@ -8,8 +8,9 @@ it releases the GIL for the whole step, so the event loop's thread (scheduling, 
 streaming) runs beside it instead of waiting between ops.
 
 When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
-one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers (no biases, no q/k
-norm, SiLU), every projection in our 4-bit form and/or prepacked for oneDNN, and a bf16 KV pool.
+one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers with SiLU (projection
+biases as Qwen2 has them and Qwen3's q/k norm included), every projection in our 4-bit form and/or
+prepacked for oneDNN, and a bf16 KV pool.
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 and, where some projection has only its 4-bit form, it has at most that form's row bound of
@@ -32,18 +33,18 @@ from engine.layers.linear import OneDNNLinear, QuantLinear
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
-def _forms(module: Any) -> tuple[list[torch.Tensor], int, int | None] | None:
-    """(parts, out_features, 4-bit row bound) of a projection the C++ loop can run: its 4-bit
-    tiles (codes, scales, offsets) and/or its oneDNN-packed dense weight, or None (a bias, a form
+def _forms(module: Any) -> tuple[list[torch.Tensor], int, int | None, torch.Tensor | None] | None:
+    """(parts, out_features, 4-bit row bound, bias) of a projection the C++ loop can run: its
+    4-bit tiles (codes, scales, offsets) and/or its oneDNN-packed dense weight, or None (a form
     the loop has no kernel for). The bound is None when the projection has no 4-bit form."""
-    if isinstance(module, OneDNNLinear) and module.bias is None:
-        return [module.packed], module.out_features, None
-    if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight) and module.bias is None:
+    if isinstance(module, OneDNNLinear):
+        return [module.packed], module.out_features, None, module.bias
+    if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight):
         tiles = module.packed.tiles
         parts = [tiles.codes, tiles.scales, tiles.offsets]
         if isinstance(module.big, OneDNNLinear):
             parts.append(module.big.packed)
-        return parts, tiles.out_features, module.max_rows
+        return parts, tiles.out_features, module.max_rows, module.bias
     return None
 
 
@@ -65,23 +66,24 @@ class FusedDecodeLayers:
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             return None
         layers = model.layers
-        forms: list[list[tuple[list[torch.Tensor], int, int | None]]] = []
+        forms: list[list[tuple[list[torch.Tensor], int, int | None, torch.Tensor | None]]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [_forms(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if attn.qk_norm is not None or not isinstance(mlp.act_fn, SiluAndMul) or None in projections:
+            if not isinstance(mlp.act_fn, SiluAndMul) or None in projections:
                 return None
             forms.append([f for f in projections if f is not None])
-        bounds = {bound for layer in forms for _, _, bound in layer}
+        bounds = {bound for layer in forms for _, _, bound, _ in layer}
         q4_bounds = bounds - {None}
         if len(q4_bounds) > 1:
             return None
         q4_rows = q4_bounds.pop() if q4_bounds else 0
-        dense_everywhere = all(len(parts) != 3 for layer in forms for parts, _, _ in layer)
+        dense_everywhere = all(len(parts) != 3 for layer in forms for parts, _, _, _ in layer)
         native = module.DecodeLayers(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5
         )
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
+            qk_norm = layer.self_attn.qk_norm
             native.add_layer(
                 layer.input_layernorm.weight,
                 *qkv[:2],
@@ -92,6 +94,8 @@ class FusedDecodeLayers:
                 pool.k_buffer[i],
                 pool.v_buffer[i],
                 q4_rows,
+                [qkv[3], o[3], gate_up[3], down[3]],
+                None if qk_norm is None else qk_norm.table,
             )
         return cls(native, None if dense_everywhere else q4_rows)
 

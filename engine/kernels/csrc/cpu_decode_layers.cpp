@@ -13,9 +13,9 @@
 // bound: there the Python was still ~2-3 ms a step, and a 2-core forward's second thread spun
 // through it.
 //
-// Scope (checked on the Python side): Llama-style layers with no biases and no q/k norm, bf16,
-// every projection 4-bit and/or prepacked for oneDNN, the fused elementwise kernels, the kernel
-// attention plans, one rank.
+// Scope (checked on the Python side): Llama-style layers (projection biases as Qwen2 has them, the
+// q/k norm of Qwen3), SiLU, bf16, every projection 4-bit and/or prepacked for oneDNN, the fused
+// elementwise kernels, the kernel attention plans, one rank.
 
 #include "decode_layers.h"
 
@@ -35,7 +35,8 @@ namespace asyncllm {
 
 namespace {
 
-Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
+Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
+                      const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(parts.size() == 1 || parts.size() == 3 || parts.size() == 4,
               "a projection is (codes, scales, offsets), its dense weight, or both");
   Projection p{};
@@ -47,25 +48,39 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
     p.offsets = parts[2];
   }
   if (parts.size() != 3) p.dense = parts.back();
+  if (bias.has_value()) p.bias = *bias;
   return p;
 }
 
-// mkldnn::_linear_pointwise on a prepacked weight with no bias and no fused op: the call
+// mkldnn::_linear_pointwise on a prepacked weight (and its bias) with no fused op: the call
 // OneDNNLinear.forward makes, through the dispatcher, so both paths run the same kernel.
-torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   c10::List<std::optional<at::Scalar>> scalars;
   scalars.push_back(std::nullopt);
-  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), scalars, std::string("")};
+  torch::jit::Stack stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"), scalars,
+                          std::string("")};
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
 
+// QuantLinear.forward: the 4-bit GEMV then `out + bias` up to the row bound, else the dense form.
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
-  if (x.size(0) <= w.q4_rows || !w.dense.defined())
-    return q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
-  return dense_linear(x, w.dense);
+  if (x.size(0) <= w.q4_rows || !w.dense.defined()) {
+    torch::Tensor out = q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+    return w.bias.defined() ? out + w.bias : out;
+  }
+  return dense_linear(x, w.dense, w.bias);
+}
+
+// engine/layers/norm.py rms_norm in the same torch ops (transformers' RMSNorm: fp32 statistics,
+// cast back, then the weight), as Qwen3's q/k norm runs it on the [T, H + KVH, D] slab.
+torch::Tensor torch_rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  torch::Tensor h = x.to(torch::kFloat32);
+  const torch::Tensor variance = h.pow(2).mean({-1}, true);
+  h = h * torch::rsqrt(variance + eps);
+  return w * h.to(x.scalar_type());
 }
 
 }  // namespace
@@ -78,15 +93,18 @@ DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head
 void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out,
                              std::vector<torch::Tensor> o, int64_t o_out, torch::Tensor post_norm,
                              std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
-                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows) {
+                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows,
+                             std::vector<std::optional<torch::Tensor>> biases, std::optional<torch::Tensor> qk_norm) {
+  TORCH_CHECK(biases.size() == 4, "one bias (or None) per projection: q|k|v, o, gate|up, down");
   TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
   TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
   TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == num_kv_heads_ && k_buffer.size(2) == head_dim_ &&
                   v_buffer.sizes() == k_buffer.sizes(),
               "KV buffers [S, KVH, D]");
-  layers_.push_back(DecodeLayer{input_norm, post_norm, projection(qkv, qkv_out, q4_rows),
-                                projection(o, o_out, q4_rows), projection(gate_up, gate_up_out, q4_rows),
-                                projection(down, down_out, q4_rows), k_buffer, v_buffer});
+  layers_.push_back(DecodeLayer{input_norm, post_norm, qk_norm.value_or(torch::Tensor()),
+                                projection(qkv, qkv_out, q4_rows, biases[0]), projection(o, o_out, q4_rows, biases[1]),
+                                projection(gate_up, gate_up_out, q4_rows, biases[2]),
+                                projection(down, down_out, q4_rows, biases[3]), k_buffer, v_buffer});
 }
 
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -97,8 +115,11 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_cache_loc.numel() == t, "x [T, hidden], one slot per token");
   for (const DecodeLayer& layer : layers_) {
     const torch::Tensor qkv = gemv(rms_norm(x, layer.input_norm, eps_), layer.qkv);
-    // q and k are adjacent: rotate them as one [T, H + KVH, D] slab (as LlamaAttention does)
-    const torch::Tensor qk = rotary(qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d}), cos, sin);
+    // q and k are adjacent: normalise (Qwen3) and rotate them as one [T, H + KVH, D] slab (as
+    // LlamaAttention does)
+    torch::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
+    if (layer.qk_norm.defined()) qk = torch_rms_norm(qk, layer.qk_norm, eps_);
+    qk = rotary(qk, cos, sin);
     const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
     layer.k_buffer.index_put_({out_cache_loc}, qk.narrow(1, h, kvh));
     layer.v_buffer.index_put_({out_cache_loc}, v);

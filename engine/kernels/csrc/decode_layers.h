@@ -16,12 +16,14 @@ namespace asyncllm {
 struct Projection {
   torch::Tensor codes, scales, offsets;
   torch::Tensor dense;
+  torch::Tensor bias;  // undefined: none (Qwen2 has q|k|v biases)
   int64_t out_features;
   int64_t q4_rows;
 };
 
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
+  torch::Tensor qk_norm;  // Qwen3's [H + KVH, D] table of q and k norm weights; undefined: none
   Projection qkv, o, gate_up, down;
   torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
 };
@@ -31,10 +33,13 @@ class DecodeLayers {
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
   // Each projection's parts: (codes, scales, offsets) for a 4-bit form, then the prepacked dense
   // weight if it has one (so 1, 3 or 4 tensors); q4_rows bounds the 4-bit form's inputs.
+  // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
+  // layer's q/k norm table, or None.
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
                  std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
-                 int64_t q4_rows);
+                 int64_t q4_rows, std::vector<std::optional<torch::Tensor>> biases,
+                 std::optional<torch::Tensor> qk_norm);
   // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
   // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
