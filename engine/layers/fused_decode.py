@@ -20,7 +20,7 @@ tokens. Above the bound each projection runs its oneDNN weight, as QuantLinear d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,18 +33,27 @@ from engine.layers.linear import OneDNNLinear, QuantLinear
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
-def _forms(module: Any) -> tuple[list[torch.Tensor], int, int | None, torch.Tensor | None] | None:
-    """(parts, out_features, 4-bit row bound, bias) of a projection the C++ loop can run: its
-    4-bit tiles (codes, scales, offsets) and/or its oneDNN-packed dense weight, or None (a form
-    the loop has no kernel for). The bound is None when the projection has no 4-bit form."""
+class _Form(NamedTuple):
+    """A projection as the C++ loop takes it (csrc/decode_layers.h `Projection`)."""
+
+    parts: list[torch.Tensor]  # 4-bit tiles (codes, scales, offsets) and/or the oneDNN-packed weight
+    out_features: int
+    q4_rows: int | None  # the 4-bit form's row bound; None: no 4-bit form
+    has_dense: bool  # above the bound (or with no 4-bit form) the packed weight runs
+    bias: torch.Tensor | None
+
+
+def _form(module: Any) -> _Form | None:
+    """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
     if isinstance(module, OneDNNLinear):
-        return [module.packed], module.out_features, None, module.bias
+        return _Form([module.packed], module.out_features, None, True, module.bias)
     if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight):
         tiles = module.packed.tiles
         parts = [tiles.codes, tiles.scales, tiles.offsets]
-        if isinstance(module.big, OneDNNLinear):
+        dense = isinstance(module.big, OneDNNLinear)
+        if dense:
             parts.append(module.big.packed)
-        return parts, tiles.out_features, module.max_rows, module.bias
+        return _Form(parts, tiles.out_features, module.max_rows, dense, module.bias)
     return None
 
 
@@ -66,19 +75,17 @@ class FusedDecodeLayers:
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             return None
         layers = model.layers
-        forms: list[list[tuple[list[torch.Tensor], int, int | None, torch.Tensor | None]]] = []
+        forms: list[list[_Form]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [_forms(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            projections = [_form(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if not isinstance(mlp.act_fn, SiluAndMul) or None in projections:
                 return None
             forms.append([f for f in projections if f is not None])
-        bounds = {bound for layer in forms for _, _, bound, _ in layer}
-        q4_bounds = bounds - {None}
+        q4_bounds = {f.q4_rows for layer in forms for f in layer if f.q4_rows is not None}
         if len(q4_bounds) > 1:
             return None
         q4_rows = q4_bounds.pop() if q4_bounds else 0
-        dense_everywhere = all(len(parts) != 3 for layer in forms for parts, _, _, _ in layer)
         native = module.DecodeLayers(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5
         )
@@ -86,17 +93,22 @@ class FusedDecodeLayers:
             qk_norm = layer.self_attn.qk_norm
             native.add_layer(
                 layer.input_layernorm.weight,
-                *qkv[:2],
-                *o[:2],
+                qkv.parts,
+                qkv.out_features,
+                o.parts,
+                o.out_features,
                 layer.post_attention_layernorm.weight,
-                *gate_up[:2],
-                *down[:2],
+                gate_up.parts,
+                gate_up.out_features,
+                down.parts,
+                down.out_features,
                 pool.k_buffer[i],
                 pool.v_buffer[i],
                 q4_rows,
-                [qkv[3], o[3], gate_up[3], down[3]],
+                [qkv.bias, o.bias, gate_up.bias, down.bias],
                 None if qk_norm is None else qk_norm.table,
             )
+        dense_everywhere = all(f.has_dense for layer in forms for f in layer)
         return cls(native, None if dense_everywhere else q4_rows)
 
     def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
