@@ -8,6 +8,7 @@ Definitions (all latencies in ms; percentiles by linear interpolation, numpy's d
 - TPOT: per request, (E2E - TTFT) / (output_tokens - 1), for requests with > 1 output token.
 - E2E: stream end - send time.
 - Mean concurrency: sum of successful requests' E2E latencies / benchmark duration.
+- ITL by streams in flight: what the ITL tail is made of (bench/serving_tail.py).
 - Throughputs count successful requests only, over the whole benchmark duration (first send to
   last completion).
 Token counts are the server's (`usage`, `meta_info`) when it reported them, else the tokenizer's
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.serving_tail import ItlTail, format_tail, itl_tail
 
 MAX_ERRORS_SHOWN = 5
 
@@ -93,6 +96,7 @@ class Metrics:
     tpot_ms: Stats
     e2e_ms: Stats
     errors: list[dict[str, Any]]  # the first distinct messages: {"message", "count"}
+    itl_tail: ItlTail | None = None  # the gaps by streams in flight and prefills spanned
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float) -> Metrics:
@@ -123,6 +127,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> Metrics:
         tpot_ms=Stats.of([t for r in ok if (t := r.tpot_ms) is not None]),
         e2e_ms=Stats.of([r.e2e_ms for r in ok]),
         errors=errors,
+        itl_tail=itl_tail(ok),
     )
 
 
@@ -197,6 +202,7 @@ def format_table(result: BenchmarkResult) -> str:
         _rule("Inter-Token Latency (per chunk)"),
         *_stats_rows("ITL", m.itl_ms),
         _row("Output tokens per chunk:", m.tokens_per_chunk),
+        *([_rule("ITL by streams in flight"), *format_tail(m.itl_tail)] if m.itl_tail else []),
         _rule(fill="="),
     ]
     if m.errors:

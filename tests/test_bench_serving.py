@@ -29,6 +29,8 @@ from bench.serving_datasets import (
     sharegpt_synthetic_dataset,
     sharegpt_synthetic_lengths,
 )
+from bench.serving_report import RequestRecord
+from bench.serving_tail import band_of, itl_tail
 from tests.server_helpers import REPO, free_port, server_env, tiny_model_dir, tiny_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
@@ -82,7 +84,13 @@ async def test_random_dataset_per_backend(tiny_server, default_tokenizer, tmp_pa
     chunks = sum(len(rec.chunk_times_ms) for rec in res.records)
     assert m.tokens_per_chunk == pytest.approx(m.total_output_tokens / chunks) and m.tokens_per_chunk >= 1
     assert "Output tokens per chunk:" in serving.format_table(res)
+    tail = m.itl_tail
+    assert tail is not None and tail.p99_ms == pytest.approx(m.itl_ms.p99)
+    assert sum(b.itls for b in tail.by_in_flight) == sum(len(rec.itl_ms) for rec in res.records)
+    assert all(1 <= b.low <= b.high <= 5 for b in tail.by_in_flight)  # 5 requests at most in flight
+    assert "ITL by streams in flight" in serving.format_table(res)
     data = json.loads(out_file.read_text())
+    assert data["metrics"]["itl_tail"]["tail_itls"] == tail.tail_itls
     for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput", "mean_concurrency"):
         assert key in data["metrics"], key
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
@@ -355,3 +363,32 @@ def test_poisson_arrivals():
     assert 0.085 < gaps.mean() < 0.115  # mean 1 / rate
     assert 0.8 < gaps.std() / gaps.mean() < 1.2  # exponential: coefficient of variation 1
     assert serving.poisson_arrivals(5, math.inf, seed=0) == [0.0] * 5
+
+
+def _record(index: int, start: float, chunks: list[float], success: bool = True) -> RequestRecord:
+    return RequestRecord(
+        index, index, 0, None, 8, len(chunks), success, "", 8, len(chunks), "server", None,
+        start_ms=start, ttft_ms=chunks[0] - start, e2e_ms=chunks[-1] - start,
+        itl_ms=[b - a for a, b in itertools.pairwise(chunks)], chunk_times_ms=chunks,
+    )  # fmt: skip
+
+
+def test_itl_tail_splits_gaps_by_streams_in_flight_and_prefills_spanned():
+    """A streams alone, B joins at 15 ms and its first token lands at 35 ms, inside A's last gap;
+    A ends at 40 ms, so B's gaps end with one stream in flight. A failed request counts nowhere."""
+    a = _record(0, 0.0, [10.0, 20.0, 30.0, 40.0])
+    b = _record(1, 15.0, [35.0, 45.0, 50.0])
+    failed = _record(2, 12.0, [13.0, 60.0], success=False)
+    tail = itl_tail([a, b, failed])
+    assert tail is not None
+    assert tail.p99_ms == pytest.approx(10.0) and tail.tail_itls == 4  # gaps 10, 10, 10, 10, 5
+    bands = {(x.low, x.high): x for x in tail.by_in_flight}
+    assert set(bands) == {(1, 1), (2, 2)}
+    assert (bands[1, 1].itls, bands[1, 1].median_ms, bands[1, 1].at_or_above_p99) == (2, 7.5, 1)
+    assert (bands[2, 2].itls, bands[2, 2].median_ms, bands[2, 2].at_or_above_p99) == (3, 10.0, 3)
+    assert (tail.spanning_prefill, tail.spanning_prefill_at_or_above_p99) == (1, 1)  # A's 30-40 gap
+    assert itl_tail([_record(0, 0.0, [5.0])]) is None  # one chunk: no gaps
+
+
+def test_in_flight_bands():
+    assert [band_of(n) for n in (1, 8, 9, 16, 17, 100)] == [(1, 1), (8, 8), (9, 16), (9, 16), (17, 32), (65, 128)]
