@@ -39,6 +39,12 @@ class StreamDelta(msgspec.Struct):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     queue_time: float | None = None  # seconds in the waiting queue before its first prefill
+    # n-gram speculation so far (None: the request did not speculate): verify forwards in which
+    # it had drafts, drafts verified, drafts accepted. Tokens per verify forward =
+    # (spec_accepted_tokens + spec_verify_ct) / spec_verify_ct.
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 @dataclass
@@ -54,6 +60,9 @@ class GenerateResult:
     error: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int | None = None  # as StreamDelta's, at the end
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +104,9 @@ class ResultBuilder:
             error=last.error,
             logprobs=self.logprobs if with_logprobs else None,
             top_logprobs=self.top_logprobs if with_top_logprobs else None,
+            spec_verify_ct=last.spec_verify_ct,
+            spec_draft_tokens=last.spec_draft_tokens,
+            spec_accepted_tokens=last.spec_accepted_tokens,
         )
 
 

@@ -45,6 +45,11 @@ class Metrics:
         self.token_usage = gauge("sglang:token_usage", "Share of the KV cache pool in use (not evictable).")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prompt tokens found in the prefix cache / all.")
         self.gen_throughput = gauge("sglang:gen_throughput", "Generated tokens per second since start.")
+        self.spec_accept_length = gauge(
+            "sglang:spec_accept_length",
+            "Tokens a request gets per verify forward it drafted in (accepted drafts + 1); 0 without speculation.",
+        )
+        self.spec_accept_rate = gauge("asyncllm:spec_accept_rate", "Drafted tokens accepted / drafted, since start.")
         self.message_errors = gauge(
             "asyncllm:actor_message_errors", "Messages whose handling raised inside an actor (contained, logged)."
         )
@@ -65,6 +70,9 @@ class Metrics:
         self.cache_hit_rate.set(state.get("cache_hit_rate", 0.0))
         self.gen_throughput.set(state.get("gen_throughput", 0.0))
         self.message_errors.set(state.get("message_errors", 0))
+        spec = state.get("speculative") or {}
+        self.spec_accept_length.set(spec.get("accept_length", 0.0))
+        self.spec_accept_rate.set(spec.get("accept_rate", 0.0))
         self.inflight.set(inflight)
 
     def render(self) -> web.Response:

@@ -3,7 +3,8 @@
 
 Shapes follow SGLang so its clients work unchanged: /generate answers
 `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", ...}, "prompt_tokens",
-"completion_tokens", "cached_tokens", "e2e_latency"}}` (a list for a batch or n > 1), and its
+"completion_tokens", "cached_tokens", "e2e_latency"}}` (plus `spec_verify_ct`, `spec_draft_tokens`,
+`spec_accepted_tokens` for a request that speculated; a list for a batch or n > 1), and its
 stream sends the *cumulative* text and ids in every event (SGLang's default), then [DONE]. An
 aborted generation is a normal answer here with `finish_reason.type == "abort"`, as in SGLang.
 """
@@ -60,6 +61,9 @@ def meta_info(
         time.perf_counter() - start,
         token_lps,
         top,
+        d.spec_verify_ct if d else None,
+        d.spec_draft_tokens if d else None,
+        d.spec_accepted_tokens if d else None,
     )
 
 

@@ -280,6 +280,11 @@ class MetaInfo(Struct, omit_defaults=True):
     e2e_latency: float
     output_token_logprobs: list[tuple[float, int, None]] | None = None
     output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # n-gram speculation (only when the request speculated): SGLang's spec_verify_ct, and the
+    # drafts verified and accepted (engine.StreamDelta)
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 class GenerateResponse(Struct, omit_defaults=True):

@@ -299,6 +299,41 @@ async def test_aborts_mid_speculation_free_everything(repeating_tok_folder):
         assert st["memory_errors"] == [] and st["speculative"]["verify_steps"] > 0, st
 
 
+async def test_each_request_reports_what_its_speculation_did(repeating_tok_folder):
+    """`StreamDelta.spec_*` per request (carried by the last delta, so by `GenerateResult` and the
+    native meta_info), the engine's totals and the Prometheus gauges built from them."""
+    from prometheus_client import generate_latest
+
+    from server.metrics import Metrics
+    from server.native_api import meta_info
+
+    engine = Engine(repeating_tok_folder, dtype="float32", device="cpu", torch_threads=1, speculative_algorithm="NGRAM")
+    params = SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    text = "one two three four five six seven eight nine ten " * 6
+    async with engine:
+        async with asyncio.timeout(TIMEOUT):
+            deltas = [d async for d in engine.open_stream(text, params)]
+            plain = await engine.generate(text, SamplingParams(temperature=0.0, max_new_tokens=20), return_logprob=True)
+            st = await engine.get_internal_state()
+    last = deltas[-1]
+    assert last.spec_verify_ct and last.spec_draft_tokens and last.spec_accepted_tokens is not None
+    assert 0 < last.spec_accepted_tokens <= last.spec_draft_tokens
+    assert last.spec_accepted_tokens + last.spec_verify_ct <= last.completion_tokens == 80
+    counts = [d.spec_verify_ct for d in deltas if d.spec_verify_ct is not None]
+    assert counts == sorted(counts)  # running totals
+    assert plain.spec_verify_ct is None and plain.spec_accepted_tokens is None  # logprobs: no drafts
+    spec = st["speculative"]
+    assert (spec["verify_rows"], spec["draft_tokens"]) == (last.spec_verify_ct, last.spec_draft_tokens)
+    assert spec["accept_length"] == pytest.approx((spec["accepted_tokens"] + spec["verify_rows"]) / spec["verify_rows"])
+    assert spec["accept_length"] > 1
+    info = meta_info(last.rid, last, 0.0)
+    assert (info.spec_verify_ct, info.spec_accepted_tokens) == (last.spec_verify_ct, last.spec_accepted_tokens)
+    metrics = Metrics("m")
+    metrics.refresh(st, 0)
+    page = generate_latest(metrics.registry).decode()
+    assert f'sglang:spec_accept_length{{model_name="m"}} {spec["accept_length"]}' in page
+
+
 async def test_speculative_run_replays_from_the_flight_recorder(repeating_tok_folder, tmp_path):
     """Drafts are a pure function of the tokens, so a dump of a speculative run replays exactly."""
     from engine import replay

@@ -30,6 +30,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     queue_times: list[float | None] = []  # seconds from entering the waiting queue to the first prefill
     logprobs: list[float | None] = []
     top_logprobs: list[list[tuple[int, float]] | None] = []
+    # (verify forwards with drafts, drafts verified, drafts accepted) of a request that speculated
+    spec: list[tuple[int, int, int] | None] = []
 
     def add(
         self, req: Req, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
@@ -46,6 +48,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.queue_times.append(req.queue_time)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
+        s = req.spec
+        self.spec.append((s.verify_ct, s.draft_tokens, s.accepted_tokens) if s is not None else None)
 
     def add_aborted(self, rid: str, message: str) -> None:
         """End request `rid` with an error when no `Req` is at hand (its handling failed)."""
@@ -59,6 +63,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.queue_times.append(None)
         self.logprobs.append(None)
         self.top_logprobs.append(None)
+        self.spec.append(None)
 
     @classmethod
     def finished(cls, reqs: list[Req]) -> BatchTokenOut:

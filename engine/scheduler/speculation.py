@@ -35,10 +35,14 @@ from engine.speculative.ngram import DraftLength, NgramIndex
 
 @dataclass
 class SpecState:
-    """One request's n-gram index (prompt and output so far) and draft length policy."""
+    """One request's n-gram index (prompt and output so far), draft length policy, and what its
+    speculation did (reported with its output: `StreamDelta.spec_*`)."""
 
     index: NgramIndex
     length: DraftLength
+    verify_ct: int = 0  # verify forwards in which it had drafts
+    draft_tokens: int = 0  # drafts it had verified
+    accepted_tokens: int = 0  # of those, accepted and emitted
 
     def sync(self, req: Req) -> None:
         """Bring the index up to the request's current tokens."""
@@ -70,6 +74,7 @@ class Speculation:
         self.max_verify_tokens = max_verify_tokens  # rows of a verify forward, the batch's own included
         self.pool, self.allocator = pool, allocator
         self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
+        self.verify_rows = 0  # requests with drafts, summed over the verify forwards
 
     def drafts(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafts this round (empty: it decodes one token). The requests share the
@@ -124,8 +129,13 @@ class Speculation:
             written = req.kv_committed_len  # positions with a slot after this forward
             start = written - len(drafts[i]) - 1  # its last token's position
             emitted = 0
+            if drafts[i]:  # counted before the tokens go out: the last one's delta carries them
+                req.spec.verify_ct += 1
+                req.spec.draft_tokens += len(drafts[i])
             for tok in [*drafts[i][: accepted[i]], next_ids[i]]:
                 req.accept_token(tok)
+                if emitted < accepted[i]:
+                    req.spec.accepted_tokens += 1
                 emitted += 1
                 msg.add(req, tok, *logprobs.of(i, req))  # log-probs: only a request that drafted nothing
                 if req.finished():
@@ -137,6 +147,7 @@ class Speculation:
             req.kv_committed_len = keep
             req.kv_computed_len = max(req.kv_computed_len, keep)
             if drafts[i]:
+                self.verify_rows += 1
                 self.draft_tokens += len(drafts[i])
                 self.accepted_tokens += accepted[i]
                 req.spec.length.record(len(drafts[i]), accepted[i], len(req.output_ids))
@@ -145,10 +156,16 @@ class Speculation:
         return msg
 
     def stats(self) -> dict[str, float | int]:
+        """Totals since start. `accept_length`: tokens a request gets from one verify forward it
+        drafted in (its accepted drafts plus the target's own next token; SGLang's
+        spec_accept_length); 0 before any."""
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        length = (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
         return {
             "verify_steps": self.verify_steps,
+            "verify_rows": self.verify_rows,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accept_rate": rate,
+            "accept_length": length,
         }
