@@ -6,7 +6,7 @@ Content-Security-Policy that lets it run its own script and talk to its own sock
 
 The feed is a WebSocket that pushes one JSON text frame every INTERVAL seconds (10/s):
     {"type": "hello", "model", "interval", "steps": [...]}      first, once: the recent steps
-    {"type": "snapshot", "seq", "t", <the state numbers>, "kv_in_use_tokens", "tokens_per_s",
+    {"type": "snapshot", "seq", "t", <the state numbers>, "speculative", "kv_in_use_tokens", "tokens_per_s",
      "forward_tokens_per_s", "steps": [{"mode", "batch_size", "num_tokens", "duration_ms", "t"}],
      "radix_top": [{"text", "tokens", "subtree_tokens", "hits", "locked"}],
      "timelines": [{"rid", "queued", "prompt_tokens", "phases": [[name, t, tokens]],
@@ -74,6 +74,7 @@ _STATE_KEYS = (
     "new_token_ratio",
     "max_running_requests",
     "healthy",
+    "speculative",  # None, or the n-gram speculation totals (accept_rate, accept_length, ...)
 )
 
 

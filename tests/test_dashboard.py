@@ -29,7 +29,7 @@ SNAPSHOT_KEYS = {
     "evictable_tokens", "protected_tokens", "token_usage", "cache_hit_rate", "num_retractions",
     "generated_tokens", "gen_throughput", "new_token_ratio", "max_running_requests", "healthy",
     "kv_in_use_tokens", "tokens_per_s", "forward_tokens_per_s", "steps", "radix_top", "timelines",
-    "live_timelines",
+    "live_timelines", "speculative",
 }  # fmt: skip
 SAME_AS_SERVER_INFO = (
     "running_requests", "waiting_requests", "total_tokens", "available_tokens", "evictable_tokens",
@@ -125,6 +125,7 @@ async def test_feed_rate_and_idle_numbers(server):
         assert last[key] == info[key] == idle[key], key
     assert last["kv_in_use_tokens"] == info["total_tokens"] - info["available_tokens"] - info["evictable_tokens"]
     assert last["tokens_per_s"] == 0 and last["live_timelines"] == 0 and last["steps"] == []
+    assert last["speculative"] is None  # not a speculating server
 
 
 async def test_feed_under_load(server):

@@ -157,6 +157,7 @@ def test_dashboard_in_chromium(server, driver, tmp_path):
         "waiting": 0,
     }
     assert {k: value(driver, k) for k in expected} == expected
+    assert driver.find_element("id", "spec-accept").text == "off"  # no --speculative-algorithm
     assert state["generated_tokens"] > start_gen
     assert len(driver.find_elements("css selector", "#radix tbody td.text")) >= 1  # the radix table is filled
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

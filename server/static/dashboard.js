@@ -144,6 +144,11 @@
     setNum("kv-free", s.available_tokens);
     setNum("cache-hit-rate", s.cache_hit_rate, fmtPct(s.cache_hit_rate));
     setNum("retractions", s.num_retractions);
+    const spec = s.speculative; // null unless the server runs --speculative-algorithm
+    setNum("spec-accept", spec ? spec.accept_rate : 0, spec ? fmtPct(spec.accept_rate) : "off");
+    $("spec-detail").textContent = spec
+      ? spec.accept_length.toFixed(2) + " tokens per verify, " + fmtInt(spec.verify_steps) + " verifies"
+      : "n-gram speculation";
     const step = steps[steps.length - 1];
     if (step) {
       setNum("last-step", step.batch_size, step.mode.toLowerCase() + " × " + step.batch_size);
