@@ -32,7 +32,6 @@ class _Timed(Protocol):
 
     success: bool
     start_ms: float
-    ttft_ms: float
     e2e_ms: float
     itl_ms: list[float]
     chunk_times_ms: list[float]

@@ -97,7 +97,7 @@ class OutputProcessor(Actor):
             self.states.pop(rid, None)
         if not ids and not text and reason is None:
             return None
-        spec = msg.spec[i]
+        verify_ct, draft_tokens, accepted_tokens = msg.spec[i] or (None, None, None)
         return StreamDelta(
             rid=rid,
             text=text,
@@ -111,7 +111,7 @@ class OutputProcessor(Actor):
             queue_time=msg.queue_times[i],
             logprobs=[msg.logprobs[i]] if msg.logprobs[i] is not None and ids else None,
             top_logprobs=[msg.top_logprobs[i]] if msg.top_logprobs[i] is not None and ids else None,
-            spec_verify_ct=spec[0] if spec is not None else None,
-            spec_draft_tokens=spec[1] if spec is not None else None,
-            spec_accepted_tokens=spec[2] if spec is not None else None,
+            spec_verify_ct=verify_ct,
+            spec_draft_tokens=draft_tokens,
+            spec_accepted_tokens=accepted_tokens,
         )

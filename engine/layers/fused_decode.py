@@ -39,21 +39,24 @@ class _Form(NamedTuple):
     parts: list[torch.Tensor]  # 4-bit tiles (codes, scales, offsets) and/or the oneDNN-packed weight
     out_features: int
     q4_rows: int | None  # the 4-bit form's row bound; None: no 4-bit form
-    has_dense: bool  # above the bound (or with no 4-bit form) the packed weight runs
     bias: torch.Tensor | None
+
+    @property
+    def has_dense(self) -> bool:
+        """Whether it has the oneDNN-packed weight, which runs above the bound (or alone)."""
+        return len(self.parts) != 3
 
 
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
     if isinstance(module, OneDNNLinear):
-        return _Form([module.packed], module.out_features, None, True, module.bias)
+        return _Form([module.packed], module.out_features, None, module.bias)
     if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight):
         tiles = module.packed.tiles
         parts = [tiles.codes, tiles.scales, tiles.offsets]
-        dense = isinstance(module.big, OneDNNLinear)
-        if dense:
+        if isinstance(module.big, OneDNNLinear):
             parts.append(module.big.packed)
-        return _Form(parts, tiles.out_features, module.max_rows, dense, module.bias)
+        return _Form(parts, tiles.out_features, module.max_rows, module.bias)
     return None
 
 

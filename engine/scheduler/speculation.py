@@ -132,6 +132,9 @@ class Speculation:
             if drafts[i]:  # counted before the tokens go out: the last one's delta carries them
                 req.spec.verify_ct += 1
                 req.spec.draft_tokens += len(drafts[i])
+                self.verify_rows += 1
+                self.draft_tokens += len(drafts[i])
+                self.accepted_tokens += accepted[i]
             for tok in [*drafts[i][: accepted[i]], next_ids[i]]:
                 req.accept_token(tok)
                 if emitted < accepted[i]:
@@ -147,9 +150,6 @@ class Speculation:
             req.kv_committed_len = keep
             req.kv_computed_len = max(req.kv_computed_len, keep)
             if drafts[i]:
-                self.verify_rows += 1
-                self.draft_tokens += len(drafts[i])
-                self.accepted_tokens += accepted[i]
                 req.spec.length.record(len(drafts[i]), accepted[i], len(req.output_ids))
             if req.finished():
                 release(req)
