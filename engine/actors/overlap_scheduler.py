@@ -64,6 +64,11 @@ from engine.scheduler.waiting_queue import PrefillPlan
 
 log = logging.getLogger(__name__)
 
+
+class SchedulerStuckError(RuntimeError):
+    """The scheduler holds work it can neither launch nor wait on (an impossible state)."""
+
+
 STEP_HISTORY = 4096  # StepRecords kept (Engine.recent_steps)
 
 
@@ -113,17 +118,29 @@ class OverlapScheduler(Actor):
         self.on_forward: Callable[[int], None] | None = None  # called with num_forwards after each
         self._plan_ids = itertools.count()
         self._waiting_version = 0
+        self._asked_plan = False  # this turn of run() waited for a plan (it suspended)
 
     # ---- main loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        # Every turn must suspend somewhere, or the loop (and /health, and the watchdog) freezes:
+        # finishing a forward does (its handle resolves through a loop callback), so does asking
+        # the PrefillAdder for a plan (another task answers) and waiting for a message when idle.
+        # A turn with none of these (a quiet turn) that still has work sees no new message and
+        # no result; it may still change the scheduler's state once (retracting every running
+        # request requeues them, and the next turn asks for a plan), but a second quiet turn in
+        # a row would repeat itself forever: `_no_progress` crashes the actor instead (the
+        # engine turns unhealthy, open requests end with the error).
         inflight: InFlight | None = None
+        quiet = 0
         while True:
             for msg in self.drain():
                 self.contain(self.handle_message, msg)
+            finished = inflight is not None
             if inflight is not None and (not self.enable_overlap or inflight.lb.needs_sync):
                 await self._finish(inflight)
                 inflight = None
+            self._asked_plan = False
             launched = await self._launch_next()
             if inflight is not None:
                 await self._finish(inflight)
@@ -131,11 +148,19 @@ class OverlapScheduler(Actor):
             if inflight is None and not self._has_work():
                 self._check_idle_memory()
                 self.contain(self.handle_message, await self.recv())
+                quiet = 0
+            elif inflight is None and not finished and not self._asked_plan:
+                quiet += 1
+                if quiet >= 2:
+                    self._no_progress()
+            else:
+                quiet = 0
 
     async def _launch_next(self) -> InFlight | None:
         plan = None
         if (ask := self.begin_round()) is not None:
             self.adder.send(ask)
+            self._asked_plan = True
             reply = await self.recv_matching(lambda m: isinstance(m, PrefillPlanReply) and m.reply_id == ask.reply_id)
             assert isinstance(reply, PrefillPlanReply)
             plan = self.take_plan(reply)
@@ -261,7 +286,21 @@ class OverlapScheduler(Actor):
     def _has_work(self) -> bool:
         return not self.sched.is_idle()
 
+    def _no_progress(self) -> None:
+        """Two turns in a row launched nothing, had nothing in flight and asked for no plan, yet
+        work remains: nothing else can run until this task yields, so every later turn would be
+        the same (e.g. `prepare_for_decode` failing after the room check said it fits)."""
+        sched = self.sched
+        raise SchedulerStuckError(
+            "the scheduler has work but cannot launch a batch: "
+            f"running={len(sched.running_batch.reqs)} waiting={sched.num_waiting} "
+            f"chunked={sched.chunked_req is not None} available_tokens={sched.allocator.available_size()}"
+        )
+
     def _check_idle_memory(self) -> None:
+        """The memory invariant, on the busy -> idle edge. A violation means the scheduler's
+        accounting is wrong: it crashes the actor (the engine turns unhealthy and the server
+        restarts) rather than serving on with slots that leak, or that two requests may share."""
         if self._checked_idle or not self.sched.holds_nothing():
             return
         self._checked_idle = True
@@ -269,7 +308,8 @@ class OverlapScheduler(Actor):
         try:
             self.sched.check_memory()
         except MemoryLeakError as e:
-            self.memory_errors.append(str(e))
+            self.memory_errors.append(str(e))  # kept for the state and the flight recorder's dump
+            raise
 
     # ---- messages -----------------------------------------------------------------------------
 

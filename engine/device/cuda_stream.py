@@ -38,16 +38,51 @@ class HostFuncStream(Protocol):
     def launch_host_func(self, callback: Callable[[Any], None], arg: Any) -> None: ...
 
 
+class DeviceCallbackError(RuntimeError):
+    """The completion path of a launch failed (not the launched work): its outcome is lost."""
+
+
 def host_callback(completion: Completion) -> None:
     """Runs on a CUDA-internal thread when the stream reaches it.
 
     CUDA forbids CUDA API calls here, and an exception has nowhere to go, so it only hands the
-    outcome to the event loop.
+    outcome to the event loop. If that fails, the handle fails at once (`fail_completion`)
+    instead of staying pending until the scheduler's watchdog gives up on it.
     """
     try:
         completion.deliver()
-    except BaseException:
+    except BaseException as exc:
         log.exception("device stream host callback failed")
+        fail_completion(completion, exc)
+
+
+def fail_completion(completion: Completion, exc: BaseException) -> None:
+    """From any thread: settle `completion` with a DeviceCallbackError on its loop.
+
+    It goes through the owner's `on_settle` like any outcome, so the handles launched after it
+    still resolve in launch order (one that never arrived would hold them all back).
+    """
+    error = DeviceCallbackError(f"the device stream's completion callback failed: {exc!r}")
+    error.__cause__ = exc
+
+    def settle() -> None:
+        completion.ok, completion.value = False, error
+        try:
+            if completion.on_settle is not None:  # the owner resolves it, in launch order
+                completion.on_settle(completion)
+            else:
+                completion.resolve()
+        except Exception:  # the owner's hook broke too: at least this handle must not hang
+            log.exception("device stream: settling a failed completion raised")
+            if not completion.future.done():
+                completion.future.set_exception(error)
+
+    try:
+        completion.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody is left to await this handle
+        pass
+    except BaseException:
+        log.exception("device stream: cannot fail a launch's handle on its event loop")
 
 
 def cupy_host_stream(stream_ptr: int, device_index: int) -> HostFuncStream | None:
@@ -99,7 +134,11 @@ class EventWaiter:
                 event.synchronize()
             except Exception as exc:
                 completion.ok, completion.value = False, exc
-            completion.deliver()
+            try:  # this thread must survive: every later launch's handle comes through it
+                completion.deliver()
+            except BaseException as exc:
+                log.exception("device stream waiter failed to deliver a completion")
+                fail_completion(completion, exc)
             del item, event, completion
 
 
