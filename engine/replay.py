@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides[key.strip()] = _value(value)
     try:
         dump = load_dump(ns.dump)
-        print(f"{ns.dump}: {len(dump.events)} events recorded by {dump.header.build} ({dump.reason})")
+        redacted = "" if dump.header.prompts_recorded else ", prompts redacted"
+        print(f"{ns.dump}: {len(dump.events)} events recorded by {dump.header.build} ({dump.reason}{redacted})")
         report = Replayer(dump, overrides, ns.context).run()
     except (ReplayError, OSError, ValueError) as e:
         print(f"cannot replay: {e}", file=sys.stderr)

@@ -3,6 +3,8 @@
 A real run of the default model (chunked prefill, a retraction, aborts while decoding and while
 waiting) is recorded, dumped and replayed with zero divergences; a changed scheduling rule makes
 replay report the first divergence; the CLI's exit codes; the dump triggers (API, crash).
+Privacy: dumps are 0600 files in a 0700 folder of ours, written atomically; by default they hold
+no prompt token ids, prompt text or stop strings, and still replay with zero divergences.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +23,12 @@ import msgspec
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.actors.messages import RegisterReq, StopStrMatched, TokenizedGenerateReq
 from engine.errors import InvalidRequestError
-from engine.recorder.events import BatchEvent, PlanEvent, RecvEvent, ResultEvent, RoundEvent, StrOutRec
+from engine.recorder.events import BatchEvent, Header, PlanEvent, RecvEvent, ResultEvent, RoundEvent, StrOutRec
+from engine.recorder.redact import STAND_IN_BASE, Redactor, redact_params
 from engine.recorder.replay import ReplayError, replay
-from engine.recorder.ring import load_dump
+from engine.recorder.ring import FlightRecorder, load_dump
 from engine.scheduler.scheduler import Scheduler
 from tests.sched_harness import build_tiny_folder
 from tests.server_helpers import TINY_ARGS, ServerProcess, tiny_model_dir  # noqa: F401  (the fixture)
@@ -105,6 +110,12 @@ def test_real_run_replays_with_zero_divergences(recorded_run):
     received = [type(e.msg) for e in dump.events if isinstance(e, RecvEvent) and e.actor == "receiver"]
     assert StrOutRec in received and "BatchStrOut" not in {t.__name__ for t in received}
 
+    # The default keeps no prompt: stand-in ids of the same lengths, and the prefixes the
+    # workload shares still hit the radix cache in the recording, which replay rebuilds.
+    assert dump.header.prompts_recorded is False
+    assert sum(e.plan.hit_tokens for e in dump.events if isinstance(e, PlanEvent)) > 0
+    _assert_no_prompt(Path(path).read_bytes(), dump, _workload())
+
     report = replay(path)
     assert report.divergence is None, report.divergence.describe()
     assert report.decisions > 50 and report.steps > 10 and report.requests == 12
@@ -130,7 +141,7 @@ def test_replay_cli(recorded_run, tmp_path):
     path, _ = recorded_run
     ok = subprocess.run([sys.executable, "-m", "engine.replay", path], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "0 divergences" in ok.stdout
+    assert "0 divergences" in ok.stdout and "prompts redacted" in ok.stdout
     changed = subprocess.run(
         [sys.executable, "-m", "engine.replay", path, "--set", "chunked_prefill_size=32"],
         capture_output=True,
@@ -220,6 +231,10 @@ async def test_dump_endpoint_and_sigusr1_replay(server):
             body = await r.json()
     path = Path(body["path"])
     assert path.parent == server.dumps and body["dropped"] == 0 and body["recorded"] > 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(server.dumps.stat().st_mode) == 0o700
+    dump = load_dump(path)  # the server's default: no prompts
+    assert dump.header.prompts_recorded is False
+    _assert_no_prompt(path.read_bytes(), dump, [gen["input_ids"]])
     report = replay(path)
     assert report.divergence is None and report.requests == 2 and report.steps >= 4
     os.kill(server.pid, signal.SIGUSR1)
@@ -229,3 +244,161 @@ async def test_dump_endpoint_and_sigusr1_replay(server):
     newest = max(server.dumps.glob("flight-*.msgpack"), key=lambda p: p.stat().st_mtime)
     assert load_dump(newest).reason == "SIGUSR1"
     assert server.proc.poll() is None  # still serving
+
+
+# ---- privacy --------------------------------------------------------------------------------------
+
+
+def _generate_reqs(dump) -> list[TokenizedGenerateReq]:
+    return [e.msg for e in dump.events if isinstance(e, RecvEvent) and isinstance(e.msg, TokenizedGenerateReq)]
+
+
+def _window_bytes(ids: list[int]) -> bytes:
+    """How a run of token ids looks inside a msgpack list (each id encoded after the other)."""
+    return b"".join(msgspec.msgpack.encode(t) for t in ids)
+
+
+def _assert_no_ids(raw: bytes, ids: list[int]) -> None:
+    for start in range(0, len(ids) - 7, 8):
+        assert _window_bytes(ids[start : start + 8]) not in raw, f"prompt ids at {start} are in the dump"
+
+
+def _assert_no_prompt(raw: bytes, dump, prompts: list[list[int]]) -> None:
+    """No prompt's ids (any 8 in a row) in the dump's bytes; its requests carry stand-in ids."""
+    for prompt in prompts:
+        _assert_no_ids(raw, prompt)
+    reqs = _generate_reqs(dump)
+    assert reqs and all(min(r.input_ids) >= STAND_IN_BASE for r in reqs)
+    assert {len(p) for p in prompts} <= {len(r.input_ids) for r in reqs}  # the lengths are kept
+    for msg in (e.msg for e in dump.events if isinstance(e, RecvEvent) and isinstance(e.msg, RegisterReq)):
+        assert msg.prompt_ids == []
+
+
+def _header(prompts_recorded: bool, page_size: int = 1) -> Header:
+    return Header(1, "test", 0.0, {}, 100, 64, [2], 4, 64, 64, page_size, False, prompts_recorded=prompts_recorded)
+
+
+def test_dump_files_are_private(tmp_path, monkeypatch):
+    recorder = FlightRecorder(10, _header(True), tmp_path / "a" / "dumps")
+    recorder.recv("prefill_adder", TokenizedGenerateReq("r1", [5, 6, 7], SamplingParams(), 0))
+    old_umask = os.umask(0)  # even a umask that lets everything through
+    try:
+        path = recorder.dump("test")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert os.listdir(path.parent) == [path.name]  # the temp file was renamed, not left
+    assert load_dump(path).events[0].msg.input_ids == [5, 6, 7]
+
+    # A folder of ours others can read is tightened.
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    path = recorder.dump("test", loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    # A failed write leaves neither the dump nor its temp file.
+    def broken_replace(*_: object, **__: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        recorder.dump("test", loose)
+    monkeypatch.undo()
+    assert os.listdir(loose) == [path.name]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files another user owns")
+def test_dump_refuses_folders_and_symlinks_of_other_users(tmp_path):
+    recorder = FlightRecorder(10, _header(False), tmp_path / "unused")
+    recorder.recv("prefill_adder", TokenizedGenerateReq("r1", [5, 6, 7], SamplingParams(), 0))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(PermissionError, match="belongs to uid 12345"):
+        recorder.dump("test", theirs)
+    assert os.listdir(theirs) == []
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    planted = tmp_path / "planted"
+    planted.symlink_to(ours)
+    os.lchown(planted, 12345, 12345)
+    with pytest.raises(PermissionError, match="symlink owned by uid 12345"):
+        recorder.dump("test", planted)
+    assert os.listdir(ours) == []
+
+
+def test_redactor_keeps_page_aligned_prefix_sharing():
+    for page in (1, 4):
+        redactor = Redactor(page)
+        base = list(range(100, 120))
+        same, forked = redactor.stand_in_ids(base), redactor.stand_in_ids(base[:9] + [7] + base[10:])
+        assert redactor.stand_in_ids(base) == same and len(same) == len(base)
+        shared = 9 // page * page  # whole pages before the changed token
+        assert same[:shared] == forked[:shared]
+        assert all(a != b for a, b in zip(same[shared:], forked[shared:]))
+        assert min(same) >= STAND_IN_BASE
+    # Another recorder draws another key: its ids cannot be matched against a guessed prompt.
+    assert Redactor(1).stand_in_ids(base) != Redactor(1).stand_in_ids(base)
+
+    params = redact_params(SamplingParams(stop=["swordfish", "x"], regex="[a-z]+secret", max_new_tokens=9))
+    assert params.stop == ["<redacted: 9 chars>", "<redacted: 1 chars>"]
+    assert params.regex == "<redacted: 12 chars>" and params.max_new_tokens == 9
+    schema = redact_params(SamplingParams(json_schema={"title": "secret"})).json_schema
+    assert "secret" not in schema
+    redacted = Redactor(1).redact(StopStrMatched("r", "swordfish"))
+    assert redacted.matched == "<redacted: 9 chars>"
+
+
+SECRET_TEXT = "the vault passphrase is correct horse battery staple, tell nobody"
+SECRET_STOP = "swordfish-stop"
+
+
+async def _private_run(engine: Engine, prompts: list[list[int]]) -> None:
+    """A shared prefix cached first (a radix hit for the rest), then a mixed concurrent run and
+    a text prompt with a stop string."""
+    await engine.generate(prompts[1], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    await _run_mixed(engine, prompts)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop=[SECRET_STOP])
+    await engine.generate(SECRET_TEXT, params)
+
+
+async def test_default_dump_holds_no_prompt_and_replays(tiny_folder, tmp_path, default_tokenizer):
+    opts = dict(dtype="float32", device="cpu", torch_threads=1, max_total_tokens=600, chunked_prefill_size=48)
+    prompts = _workload(2)
+    text_ids = default_tokenizer.encode(SECRET_TEXT, add_special_tokens=False)
+
+    async with Engine(tiny_folder, flight_recorder_dir=str(tmp_path / "off"), **opts) as engine:
+        await _private_run(engine, prompts)
+        path = Path(engine.dump_flight_recorder("test"))
+    raw = path.read_bytes()
+    dump = load_dump(raw)
+    assert dump.header.prompts_recorded is False
+    assert sum(e.plan.hit_tokens for e in dump.events if isinstance(e, PlanEvent)) > 0, "a radix hit is recorded"
+    assert any(isinstance(e, PlanEvent) and e.plan.new_chunked_rid for e in dump.events), "a prompt is chunked"
+    _assert_no_prompt(raw, dump, prompts)
+    _assert_no_ids(raw, text_ids[1:])  # (the engine's own tokenization may differ at its start)
+    for secret in (SECRET_TEXT, "passphrase", SECRET_STOP):
+        assert secret.encode() not in raw
+    stops = [r.sampling_params.stop for r in _generate_reqs(dump) if r.sampling_params.stop]
+    assert stops and all(s == [f"<redacted: {len(SECRET_STOP)} chars>"] for s in stops)
+    report = replay(path)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.requests == len(prompts) + 4
+
+    # Prompts on: recorded as they were, and the same run replays too.
+    on = dict(opts, flight_recorder_record_prompts=True, flight_recorder_dir=str(tmp_path / "on"))
+    async with Engine(tiny_folder, **on) as engine:
+        await _private_run(engine, prompts)
+        path = Path(engine.dump_flight_recorder("test"))
+    raw = path.read_bytes()
+    dump = load_dump(raw)
+    assert dump.header.prompts_recorded is True
+    recorded = [r.input_ids for r in _generate_reqs(dump)]
+    assert all(p in recorded for p in prompts)
+    assert msgspec.msgpack.encode(prompts[0]) in raw and SECRET_STOP.encode() in raw
+    # The searches above would have found them: the same needles are in this dump.
+    assert _window_bytes(prompts[3][8:16]) in raw and _window_bytes(text_ids[1:9]) in raw
+    report = replay(path)
+    assert report.divergence is None, report.divergence.describe()

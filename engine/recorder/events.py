@@ -15,6 +15,12 @@ counter orders them):
 
 A decision's summary is computed by the same function when recording and when replaying, so
 "the same decision" means equal summaries.
+
+What users sent: output text and logprobs are never recorded (`StrOutRec`, `TokenOutRec`). The
+prompt's token ids, stop strings and grammar specs are recorded only with
+`flight_recorder_record_prompts`; by default (`Header.prompts_recorded` False) `redact.py`
+replaces them in `TokenizedGenerateReq`, `RegisterReq` and `StopStrMatched` with stand-in ids
+that keep prefix sharing, and lengths.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class Header(msgspec.Struct, frozen=True):
     page_size: int
     enable_overlap: bool
     torch_threads: int | None = None
+    # False: prompts are stand-in ids, stop strings and grammar specs their lengths (redact.py).
+    # True by default because dumps written before the option had them.
+    prompts_recorded: bool = True
 
 
 # ---- summaries (compared by replay) -----------------------------------------------------------

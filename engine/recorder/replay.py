@@ -15,6 +15,14 @@ events in order:
   records must equal the recorded one;
 * a `BatchTokenOut` the output processor received must be one the replayed actors sent.
 
+A dump recorded without prompts (the default: `Header.prompts_recorded` False) replays the same:
+its stand-in prompt ids share exactly the page-aligned prefixes the real prompts shared
+(recorder/redact.py), and the scheduler looks at prompts only to match prefixes and count them.
+What it cannot replay: a grammar (only its length is recorded: a `ReplayError`); a radix hit
+that runs on into an earlier request's output tokens (multi-turn chat: stand-in ids never equal
+real ones); speculative decoding's drafts looked up in the prompt (stand-in ids never repeat).
+The first such difference is a divergence; record prompts to replay those.
+
 The first difference is a `Divergence`, reported with the events before it. Replay runs the
 scheduler code of the build it runs in, so a dump from another build checks a scheduler change.
 """
@@ -284,6 +292,12 @@ class Replayer:
         spec = msg.sampling_params.grammar_spec()
         if spec is None:
             return msg
+        if not self.dump.header.prompts_recorded:
+            # Its spec is only a length in the dump: the grammar's finishes cannot be rebuilt.
+            raise ReplayError(
+                f"request {msg.rid} has a grammar, and the dump has only its length (recorded without "
+                "--flight-recorder-record-prompts)"
+            )
         if self._grammars is None:
             header = self.dump.header
             try:
