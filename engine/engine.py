@@ -28,12 +28,21 @@ from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
 from engine.actors.receiver import Receiver
 from engine.actors.supervisor import ActorSystem
-from engine.api import GenerateResult, ModelInfo, Prompt, RequestStream, ResultBuilder, StepRecord, StreamDelta
-from engine.constrained import GrammarBackend
+from engine.api import (
+    EmbeddingResult,
+    GenerateResult,
+    ModelInfo,
+    Prompt,
+    RequestStream,
+    ResultBuilder,
+    StepRecord,
+    StreamDelta,
+)
+from engine.constrained import GrammarBackend, JsonBounds
 from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
 from engine.distributed.driver import TPDriver
-from engine.errors import EngineUnhealthyError, InvalidRequestError
+from engine.errors import EngineError, EngineUnhealthyError, InvalidRequestError
 from engine.model_executor.model_runner import ModelRunner
 from engine.profiler import EngineProfiler
 from engine.recorder.ring import FlightRecorder, make_header
@@ -45,6 +54,7 @@ from engine.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 STREAM_CLOSE_TIMEOUT_S = 10.0
+ENGINE_STOPPED = "engine stopped"  # the error of the abort delta that ends streams left open by stop()
 
 
 class Engine:
@@ -115,6 +125,8 @@ class Engine:
             pool_tokens,
             self._grammar_backend,
             args.grammar_compile_timeout,
+            args.pooling_method,
+            args.is_embedding,
         )
         # Wiring: each actor holds references only to the mailboxes it sends to.
         receiver.dispatcher, receiver.output = dispatcher, output
@@ -148,7 +160,8 @@ class Engine:
         grammar_backend = None
         if self.args.grammar_backend == "xgrammar":  # the vocabulary's tables: ~0.1 s, once
             cfg = runner.model_config
-            grammar_backend = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            bounds = JsonBounds(max_string_length=self.args.constrained_json_max_string_length)
+            grammar_backend = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids, json_bounds=bounds)
         return runner, tokenizer, grammar_backend
 
     async def stop(self) -> None:
@@ -157,8 +170,16 @@ class Engine:
             self._profiler = None
         healthy = self.healthy
         if self._system is not None:
-            await self._system.stop_all()
-            self._system = None
+            try:
+                await self._system.stop_all()
+            finally:
+                self._system = None
+                # Stopped actors never answer again: a stream still open (mid-generation, never
+                # iterated, or waiting in the grammar queue) would block its reader forever.
+                # After stop_all, so deltas already on their way (the Receiver drains its
+                # mailbox as it stops) still reach their streams first.
+                if self._receiver is not None:
+                    self._receiver.fail_all(ENGINE_STOPPED)
         if self._stream is not None:
             try:  # bounded: a device that hangs (the watchdog's case) must not hang shutdown too
                 await asyncio.wait_for(self._stream.aclose(), STREAM_CLOSE_TIMEOUT_S)
@@ -229,6 +250,8 @@ class Engine:
             max_total_tokens=runner.token_to_kv_pool_allocator.size,
             max_running_requests=self.args.max_running_requests,
             eos_token_ids=tuple(sorted(cfg.eos_token_ids)),
+            hidden_size=cfg.hidden_size,
+            is_embedding=self.args.is_embedding,
         )
 
     @property
@@ -260,6 +283,7 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> RequestStream:
         """Validate and enqueue one request *now*; returns the stream its deltas arrive on.
 
@@ -271,7 +295,9 @@ class Engine:
         and frees its memory), also when it was never iterated.
         """
         receiver = self._check()
-        rid, queue = receiver.submit(prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num)
+        rid, queue = receiver.submit(
+            prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num, None, None, logprob_start_len
+        )
         return RequestStream(rid, queue, receiver.close_stream)
 
     async def submit(
@@ -282,6 +308,7 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         chat_template_kwargs: dict[str, Any] | None = None,
+        logprob_start_len: int = -1,
     ) -> RequestStream:
         """`open_stream`, awaiting the request's grammar (json_schema / regex / ebnf) first.
 
@@ -290,6 +317,12 @@ class Engine:
         `grammar_compile_timeout` raises GrammarCompileTimeoutError, both before anything is
         enqueued. `chat_template_kwargs` go to the chat template (e.g. `tools` for a template
         that renders them). What `generate`, `stream` and the server use.
+
+        Log-probs (SGLang's): `return_logprob` reports each output token's, `top_logprobs_num`
+        the N most likely tokens at each step too; `logprob_start_len` = k >= 0 also scores the
+        prompt from position k on, in the prefill forward (the first delta's `input_logprobs`);
+        -1 reports only the last prompt position (unscored). With `max_new_tokens=0` the
+        request only scores its prompt.
         """
         receiver = self._check()
         params = params or SamplingParams()
@@ -297,7 +330,7 @@ class Engine:
         grammar = await receiver.compile_grammar(params)
         receiver = self._check()  # the engine may have died while it compiled
         rid, queue = receiver.submit(
-            prompt, params, rid, return_logprob, top_logprobs_num, grammar, chat_template_kwargs
+            prompt, params, rid, return_logprob, top_logprobs_num, grammar, chat_template_kwargs, logprob_start_len
         )
         return RequestStream(rid, queue, receiver.close_stream)
 
@@ -308,6 +341,7 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> AsyncIterator[StreamDelta]:
         """Deltas of one request as they come; the last carries `finish_reason`.
 
@@ -315,7 +349,9 @@ class Engine:
         and frees its memory. Errors surface on the first `anext()`; use `open_stream` to have
         them at once.
         """
-        stream = await self.submit(prompt, params, rid, return_logprob, top_logprobs_num)
+        stream = await self.submit(
+            prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len
+        )
         try:
             async for delta in stream:
                 yield delta
@@ -329,15 +365,41 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> GenerateResult:
         builder = ResultBuilder()
-        stream = await self.submit(prompt, params, rid, return_logprob, top_logprobs_num)
+        stream = await self.submit(
+            prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len
+        )
         try:
             async for delta in stream:
                 builder.add(delta)
         finally:
             await stream.aclose()
         return builder.result(return_logprob or top_logprobs_num > 0, top_logprobs_num > 0)
+
+    async def encode(
+        self, prompts: Prompt | Sequence[Prompt], rid: str | None = None
+    ) -> EmbeddingResult | list[EmbeddingResult]:
+        """Embeddings (SGLang's `encode`): each prompt's final hidden states pooled by the
+        engine's `pooling_method` and L2-normalised. A prompt is a prefill and nothing else,
+        batched with whatever else runs and sharing the prefix cache like any prefill. A list of
+        prompts (strings, token-id lists or chat messages) gives a list, in order; a token-id list
+        alone is one prompt. Leaving early (cancellation) aborts what still runs."""
+        many = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], (int, dict))
+        items: list[Prompt] = list(prompts) if many else [prompts]  # type: ignore[arg-type]
+        receiver = self._check()
+        streams: list[RequestStream] = []
+        try:
+            for k, p in enumerate(items):
+                r = None if rid is None else (f"{rid}-{k}" if many else rid)
+                r, queue = receiver.submit(p, SamplingParams(max_new_tokens=0), r, embed=True)
+                streams.append(RequestStream(r, queue, receiver.close_stream))
+            results = [await _embedding_of(s) for s in streams]
+        finally:
+            for s in streams:
+                await s.aclose()
+        return results if many else results[0]
 
     async def abort(self, rid: str) -> None:
         """Abort a running or queued request; its memory is freed when this returns."""
@@ -429,3 +491,12 @@ class Engine:
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(main())
+
+
+async def _embedding_of(stream: RequestStream) -> EmbeddingResult:
+    last = None
+    async for delta in stream:
+        last = delta
+    if last is None or last.finish_reason == "abort" or last.embedding is None:
+        raise EngineError(last.error if last is not None and last.error else "the embedding request ended without one")
+    return EmbeddingResult(last.rid, last.embedding, last.prompt_tokens, last.cached_tokens)

@@ -20,6 +20,7 @@ ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 MIN_POOL_TOKENS = 256
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 SPECULATIVE_ALGORITHMS = (None, "NGRAM")
+POOLING_METHODS = ("last", "mean", "cls")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 _DTYPES = {
@@ -87,6 +88,10 @@ class ServerArgs:
     # compile within grammar_compile_timeout seconds fails its request with a 400.
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
+    # A JSON string the schema leaves unbounded (or any string in json_object mode) ends after
+    # this many characters, so constrained JSON cannot run to max_tokens (the other default
+    # caps: engine/constrained/json_bounds.py). 0: unbounded, as xgrammar alone.
+    constrained_json_max_string_length: int = 256
     # Where /start_profile (Engine.start_profile) writes torch profiler traces by default
     # (None: $SGLANG_TORCH_PROFILER_DIR, else <tmp>/asyncllm-profiles).
     profile_dir: str | None = None
@@ -97,6 +102,11 @@ class ServerArgs:
     # <tmp>/asyncllm-flight-recorder.
     flight_recorder_size: int = 50_000
     flight_recorder_dir: str | None = None
+    # Whether dumps hold prompts' token ids, stop strings and grammar specs. Off: stand-in ids
+    # (per-page keyed hashes of the prefix: replay still rebuilds every radix-cache match) and
+    # lengths, so a dump holds nothing a user wrote (engine/recorder/redact.py). Off in Engine too:
+    # an embedding application serves users as the server does, and replay works either way.
+    flight_recorder_record_prompts: bool = False
     # Tensor parallelism (engine/distributed/): every layer sharded over tp_size ranks on
     # torch.distributed (gloo on CPU, NCCL on CUDA). Rank 0 is this process (the actors); the
     # others run a worker loop. One host: the engine spawns them. Several hosts (SGLang's flags):
@@ -115,6 +125,11 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Embeddings (Engine.encode, /v1/embeddings, /encode): the final hidden states (after the
+    # model's last norm) pooled over the prompt by `pooling_method` (last token, mean, first
+    # token) and L2-normalised. SGLang's is_embedding serves only them: generation is refused.
+    is_embedding: bool = False
+    pooling_method: str = "last"
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.
@@ -178,6 +193,10 @@ class ServerArgs:
             fail("mem_fraction_static", "a fraction in (0, 1]")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             fail("schedule_policy", f"one of {', '.join(SCHEDULE_POLICIES)}")
+        if self.pooling_method not in POOLING_METHODS:
+            fail("pooling_method", f"one of {', '.join(POOLING_METHODS)}")
+        if not is_int(self.constrained_json_max_string_length) or self.constrained_json_max_string_length < 0:
+            fail("constrained_json_max_string_length", "an integer >= 0 (0: unbounded)")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             fail("grammar_backend", f"one of {', '.join(GRAMMAR_BACKENDS)}")
         timeout = self.grammar_compile_timeout

@@ -20,7 +20,7 @@ import logging
 from aiohttp import web
 
 from engine import Engine
-from server import admin_api, dashboard, native_api, openai_api, openapi, ws
+from server import admin_api, dashboard, embeddings_api, native_api, openai_api, openapi, tokenizer_api, ws
 from server.config import ServerConfig
 from server.errors import ApiError, to_api_error
 from server.http_protocol import connection_limit_middleware
@@ -99,6 +99,8 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     app.on_shutdown.append(_begin_drain)  # before ws's hook: sockets drain with admission closed
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    tokenizer_api.add_routes(app)  # /tokenize, /detokenize (and /v1/...), /tokenizer_info
+    embeddings_api.add_routes(app)  # /v1/embeddings, /encode
     ws.add_routes(app)
     admin_api.add_routes(app)
     dashboard.add_routes(app)  # GET /dashboard and its live feed, GET /dashboard/ws

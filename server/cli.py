@@ -24,9 +24,11 @@ from server.arg_types import (
     positive_int,
 )
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 
-# Mirrors engine.server_args.SCHEDULE_POLICIES (importing it would import torch).
+# Mirrors engine.server_args.SCHEDULE_POLICIES and POOLING_METHODS (importing it would import torch).
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
+POOLING_METHODS = ("last", "mean", "cls")
 # SGLang's dtype spellings; the engine knows the canonical ones.
 DTYPES = {
     "auto": "auto",
@@ -36,6 +38,8 @@ DTYPES = {
     "float16": "float16",
     "half": "float16",
 }
+# Mirrors server.tool_parsers.PARSER_NAMES (importing it would import xgrammar).
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "qwen3_coder", "pythonic", "generic")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Mirrors engine.layers.attention_backend.ATTENTION_BACKENDS (importing it would import torch).
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -78,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=device,
         help="auto, cpu, cuda or cuda:N, where to run (default: auto = cuda if present)",
     )
+    g.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve embeddings only (/v1/embeddings, /encode); generation requests are refused. Without it "
+        "embeddings are served beside generation",
+    )
+    g.add_argument(
+        "--pooling-method",
+        choices=POOLING_METHODS,
+        help="how an embedding pools the prompt's final hidden states before L2 normalisation: last token "
+        "(default), mean, or cls (first token)",
+    )
     g = p.add_argument_group("gpu")
     g.add_argument(
         "--attention-backend",
@@ -100,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=port, default=30000, help="port to listen on (default: 30000)")
     g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health* and /metrics")
-    g.add_argument("--enable-metrics", action="store_true", help="expose Prometheus metrics at GET /metrics")
+    # Metrics are on by default, as in vLLM; SGLang's --enable-metrics is kept so its command lines
+    # still start (it changes nothing), and --disable-metrics turns GET /metrics off.
+    g.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang; metrics are on by default")
+    g.add_argument("--disable-metrics", action="store_true", help="do not serve Prometheus metrics at GET /metrics")
     g.add_argument(
         "--max-queued-requests",
         type=non_negative_int,
@@ -144,6 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="open connections (HTTP and WebSocket) beyond this many get 503 and are closed (default: %(default)s)",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="reasoning models: split the <think>...</think> block of chat completions out of `content` into "
+        "`reasoning_content` (deepseek-r1 and qwen3-thinking: the output starts inside the block; qwen3: only "
+        "when it opens with <think>; default: off)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the format tool calls of chat completions are prompted, constrained and parsed in (qwen25 = hermes; "
+        "generic: a JSON envelope any model can follow; default: detected from the chat template, generic when it "
+        "does not render tools)",
+    )
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-running-requests", type=positive_int, help="requests decoded together (default: 128)")
     g.add_argument(
@@ -231,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else <tmp>/asyncllm-flight-recorder)",
     )
     g.add_argument(
+        "--flight-recorder-record-prompts",
+        action="store_true",
+        default=None,  # absent: the engine's default (off)
+        help="keep prompts' token ids, stop strings and grammar specs in flight recorder dumps "
+        "(default: off; dumps then hold per-page hashes and lengths, enough for replay)",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=GRAMMAR_BACKENDS,
         help="structured output (response_format, tools, json_schema/regex/ebnf): xgrammar, or none to "
@@ -240,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--grammar-compile-timeout",
         type=positive_float,
         help="seconds a request's grammar may take to compile before the request fails with a 400 (default: 30)",
+    )
+    g.add_argument(
+        "--constrained-json-max-string-length",
+        type=non_negative_int,
+        metavar="CHARS",
+        help="JSON strings a schema leaves unbounded (and every string in json_object mode) end after this "
+        "many characters, so structured output cannot run to max_tokens; a schema's own maxLength wins; "
+        "0: unbounded (default: 256)",
     )
     g = p.add_argument_group("speculative decoding")
     g.add_argument(
@@ -311,9 +359,11 @@ _ENGINE_OPTIONS = (
     "watchdog_timeout",
     "grammar_backend",
     "grammar_compile_timeout",
+    "constrained_json_max_string_length",
     "profile_dir",
     "flight_recorder_size",
     "flight_recorder_dir",
+    "flight_recorder_record_prompts",
     "tp_size",
     "speculative_algorithm",
     "speculative_num_draft_tokens",
@@ -321,6 +371,7 @@ _ENGINE_OPTIONS = (
     "nnodes",
     "node_rank",
     "dist_init_addr",
+    "pooling_method",
 )
 
 
@@ -330,7 +381,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
-    for flag in ("disable_radix_cache", "disable_cascade_attention", "disable_fused_decode", "enable_mixed_chunk"):
+    for flag in (
+        "disable_radix_cache",
+        "disable_cascade_attention",
+        "disable_fused_decode",
+        "enable_mixed_chunk",
+        "is_embedding",
+    ):
         if getattr(ns, flag):
             engine[flag] = True
     if ns.disable_overlap_schedule:
@@ -348,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         port=ns.port,
         served_model_name=ns.served_model_name,
         api_key=ns.api_key,
-        enable_metrics=ns.enable_metrics,
+        enable_metrics=not ns.disable_metrics,
         max_queued_requests=ns.max_queued_requests,
         max_body_size=ns.max_body_size,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
@@ -360,5 +417,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         dp_size=ns.dp_size,
         load_balance_method=ns.load_balance_method,
         ray_address=ns.ray_address,
+        reasoning_parser=ns.reasoning_parser,
+        tool_call_parser=ns.tool_call_parser,
     )
     return engine, config

@@ -15,7 +15,8 @@ class ServerConfig:
     port: int = 30000
     served_model_name: str | None = None  # default: model_path, as SGLang does
     api_key: str | None = None  # when set, every endpoint but /health* and /metrics needs it
-    enable_metrics: bool = False  # /metrics exists only when enabled, as in SGLang
+    # GET /metrics is on unless --disable-metrics, as in vLLM (SGLang's --enable-metrics is accepted).
+    enable_metrics: bool = True
     # Generations admitted beyond max_running_requests before new ones get 503 (None: no limit).
     max_queued_requests: int | None = None
     max_body_size: int = 32 * 2**20  # bytes; larger request bodies get 413
@@ -33,6 +34,10 @@ class ServerConfig:
     dp_size: int = 1
     load_balance_method: str = "cache_aware"
     ray_address: str | None = None  # place the replicas as Ray actors on this cluster
+    # Splits <think>...</think> out of chat completions into reasoning_content (server/reasoning.py).
+    reasoning_parser: str | None = None
+    # The tool-call format of chat completions (server/tool_parsers/); None: detected from the chat template.
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:

@@ -40,6 +40,7 @@ class GenSpec:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
+    logprob_start_len: int = -1  # prompt log-probs from this position (engine.Engine.submit)
 
 
 class GenerationGroup:
@@ -66,7 +67,13 @@ class GenerationGroup:
                 # awaits a grammar's compile (off the loop); its errors raise here, before any 200
                 self._streams.append(
                     await engine.submit(
-                        s.prompt, s.params, s.rid, s.return_logprob, s.top_logprobs_num, s.chat_template_kwargs
+                        s.prompt,
+                        s.params,
+                        s.rid,
+                        s.return_logprob,
+                        s.top_logprobs_num,
+                        s.chat_template_kwargs,
+                        s.logprob_start_len,
                     )
                 )
         except InvalidRequestError as e:

@@ -1,5 +1,5 @@
 """SGLang-native endpoints: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request.
+/get_server_info, /version, /get_load, /flush_cache, /abort_request.
 
 Shapes follow SGLang so its clients work unchanged: /generate answers
 `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", ...}, "prompt_tokens",
@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from engine import RequestStream, ResultBuilder, SamplingParams, StreamDelta
+from engine import PromptLogprobs, RequestStream, ResultBuilder, SamplingParams, StreamDelta
 from server.errors import ApiError, unavailable
 from server.generation import GenerationGroup, GenSpec
-from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
+from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, LoadInfo, MetaInfo, VersionResponse
 from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
@@ -49,9 +50,19 @@ def meta_info(
     lps: list[float] | None = None,
     tops: list | None = None,
     ids: list[int] | None = None,
+    prompt: PromptLogprobs | None = None,
+    text: Callable[[int], str] | None = None,
 ) -> MetaInfo:
-    token_lps = [(lp, t, None) for lp, t in zip(lps, ids)] if lps is not None and ids is not None else None
-    top = [[(lp, t, None) for t, lp in row] for row in tops] if tops is not None else None
+    """SGLang's meta_info; log-probs as (log-prob, id, text) triples, the text only with `text`
+    (return_text_in_logprobs). `prompt`: the request's prompt log-probs (input_token_logprobs)."""
+    name = text if text is not None else (lambda t: None)
+    token_lps = [(lp, t, name(t)) for lp, t in zip(lps, ids)] if lps is not None and ids is not None else None
+    top = [[(lp, t, name(t)) for t, lp in row] for row in tops] if tops is not None else None
+    in_lps = in_top = None
+    if prompt is not None:
+        in_lps = [(lp, t, name(t)) for lp, t in zip(prompt.values, prompt.ids)]
+        if tops is not None:
+            in_top = [None if row is None else [(lp, t, name(t)) for t, lp in row] for row in prompt.top or []]
     return MetaInfo(
         rid,
         finish_reason_obj(d),
@@ -59,6 +70,8 @@ def meta_info(
         d.completion_tokens if d else 0,
         d.cached_tokens if d else 0,
         time.perf_counter() - start,
+        in_lps,
+        in_top,
         token_lps,
         top,
         d.spec_verify_ct if d else None,
@@ -93,23 +106,36 @@ def parse_generate(req: GenerateRequest) -> tuple[list[GenSpec], bool]:
         rids = list(req.rid)
     else:
         rids = [req.rid] * len(prompts)
+    starts = req.logprob_start_len
+    if not isinstance(starts, list):
+        starts = [starts] * len(prompts)
+    if len(starts) != len(prompts):
+        raise ApiError(
+            400, f"logprob_start_len has {len(starts)} entries for {len(prompts)} prompts", param="logprob_start_len"
+        )
     specs = []
-    for p, r in zip(prompts, rids):
+    for p, r, lp_start in zip(prompts, rids, starts):
         for j in range(n):
             seed = None if sp.seed is None else sp.seed + j
             params = msgspec.structs.replace(sp, n=1, seed=seed)
             rid = r if r is None or n == 1 else f"{r}-{j}"
-            specs.append(GenSpec(p, params, rid, req.return_logprob, req.top_logprobs_num))
+            specs.append(GenSpec(p, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start_len=lp_start))
     return specs, batch or n > 1
 
 
-def _response(spec: GenSpec, out: ResultBuilder, start: float, index: int | None) -> GenerateResponse:
+def result_meta(spec: GenSpec, out: ResultBuilder, start: float, text: Callable[[int], str] | None) -> MetaInfo:
+    """The meta_info of generation `spec` so far (`out`: its deltas folded), log-probs included
+    as it asked for them (also the WebSocket's final delta)."""
     lps = out.logprobs if spec.return_logprob or spec.top_logprobs_num else None
     tops = out.top_logprobs if spec.top_logprobs_num else None
     rid = out.last.rid if out.last else (spec.rid or "")
-    return GenerateResponse(
-        out.full_text, out.token_ids, meta_info(rid, out.last, start, lps, tops, out.token_ids), index
-    )
+    return meta_info(rid, out.last, start, lps, tops, out.token_ids, out.input_logprobs, text)
+
+
+def _response(
+    spec: GenSpec, out: ResultBuilder, start: float, index: int | None, text: Callable[[int], str] | None
+) -> GenerateResponse:
+    return GenerateResponse(out.full_text, out.token_ids, result_meta(spec, out, start, text), index)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -118,16 +144,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     specs, many = parse_generate(req)
     start = time.perf_counter()
     group = GenerationGroup(state, specs)
+    text = state.token_text if req.return_text_in_logprobs else None
     if not req.stream:
         async with group:
             outs = await group.collect()
-        res = [_response(s, o, start, i if many else None) for i, (s, o) in enumerate(zip(specs, outs))]
+        res = [_response(s, o, start, i if many else None, text) for i, (s, o) in enumerate(zip(specs, outs))]
         return web.json_response(body=msgspec.json.encode(res if many else res[0]))
     outs = [ResultBuilder() for _ in specs]
     async with group, sse_stream(request) as resp:  # leaving the group aborts what still runs
         async for i, d in group:
             outs[i].add(d)
-            await send_event(resp, _response(specs[i], outs[i], start, i if many else None))
+            await send_event(resp, _response(specs[i], outs[i], start, i if many else None, text))
         await send_done(resp)
     return resp
 
@@ -213,7 +240,7 @@ async def get_model_info(request: web.Request) -> web.Response:
             "model_path": cfg.model_path,
             "tokenizer_path": cfg.model_path,
             "served_model_name": cfg.model_name,
-            "is_generation": True,
+            "is_generation": not info.is_embedding,
             "architecture": info.architecture,
             "context_length": info.context_len,
             "vocab_size": info.vocab_size,
@@ -234,6 +261,32 @@ async def get_server_info(request: web.Request) -> web.Response:
         "internal_states": [engine_state],
     }
     return web.json_response(body=msgspec.json.encode(info))
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response(body=msgspec.json.encode(VersionResponse(VERSION)))
+
+
+def load_info(state: dict[str, Any], dp_rank: int = 0) -> LoadInfo:
+    """SGLang's /get_load entry from the scheduler's internal state. `num_tokens` counts the KV
+    slots requests hold: neither free nor evictable prefix cache (which a new request can reuse)."""
+    total = int(state["total_tokens"])
+    used = total - int(state["available_tokens"]) - int(state["evictable_tokens"])
+    return LoadInfo(
+        dp_rank=dp_rank,
+        num_reqs=int(state["running_requests"]),
+        num_waiting_reqs=int(state["waiting_requests"]),
+        num_tokens=used,
+        max_total_num_tokens=total,
+        token_usage=used / total if total else 0.0,
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """One entry per data-parallel rank, as SGLang answers (this process is one rank; the --dp-size
+    front end and the router list every replica's, numbered)."""
+    state = request.app[STATE]
+    return web.json_response(body=msgspec.json.encode([load_info(await state.engine.get_internal_state())]))
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -268,6 +321,8 @@ def add_routes(app: web.Application) -> None:
         r.add_get(path, get_model_info)
     for path in ("/get_server_info", "/server_info"):
         r.add_get(path, get_server_info)
+    r.add_get("/version", version)
+    r.add_get("/get_load", get_load)
     r.add_post("/flush_cache", flush_cache)
     r.add_get("/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)

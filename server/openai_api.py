@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from engine import PromptLogprobs
 from server.errors import ApiError, abort_error
 from server.generation import GenerationGroup, GenSpec
 from server.openai_chat import chat_completions
@@ -34,19 +35,50 @@ from server.protocol import (
 from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
-from server.structured import schema_param
+from server.structured import incomplete_json_warning, schema_param
 
 
 def _completion_logprobs(
-    state: ServerState, ids: list[int], lps: list[float], tops: list, want_top: bool, offset: int
+    state: ServerState,
+    ids: list[int],
+    lps: list[float | None],
+    tops: list | None,
+    want_top: bool,
+    offset: int,
 ) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs over `ids`. Each top_logprobs dict holds the N most likely tokens
+    and, as OpenAI's does, the chosen token too (so up to N + 1 entries); a position without a
+    log-prob (a prompt's first token) is null there and in token_logprobs."""
     tokens = [state.token_text(t) for t in ids]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    top = [{state.token_text(t): lp for t, lp in row} for row in tops] if want_top else None
+    top = None
+    if want_top:
+        top = []
+        for tok, lp, row in zip(tokens, lps, tops or [None] * len(ids)):
+            if row is None or lp is None:
+                top.append(None)
+                continue
+            d = {state.token_text(t): v for t, v in row}
+            d.setdefault(tok, lp)
+            top.append(d)
     return CompletionLogprobs(tokens, list(lps), top, offsets)
+
+
+def _echo_logprobs(state: ServerState, prompt: PromptLogprobs | None, want_top: bool) -> CompletionLogprobs:
+    """The prompt's part of an echoed completion's logprobs (its first token has none)."""
+    if prompt is None:  # the engine always sends them when asked; never answer with a silent gap
+        raise ApiError(500, "the prompt's log-probs are missing", type="server_error")
+    return _completion_logprobs(state, prompt.ids, prompt.values, prompt.top, want_top, 0)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
+    return CompletionLogprobs(
+        a.tokens + b.tokens, a.token_logprobs + b.token_logprobs, top, a.text_offset + b.text_offset
+    )
 
 
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -78,12 +110,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     want_lp = req.logprobs is not None
     if want_lp and not 0 <= req.logprobs <= 20:
         raise ApiError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
-    sp = sampling_params(state, req, 16 if req.max_tokens is None else req.max_tokens)
+    # echo + logprobs scores the prompt too (what evaluation harnesses read); with max_tokens 0 it
+    # only scores it, as OpenAI's legacy API allowed
+    score_only = req.echo and req.max_tokens == 0
+    sp = sampling_params(state, req, 16 if req.max_tokens is None else 1 if score_only else req.max_tokens)
+    if score_only:
+        sp = msgspec.structs.replace(sp, max_new_tokens=0)
     prompts = _completion_prompts(req.prompt)
     n = req.n or 1
     rid = new_id("cmpl")
+    start = 0 if req.echo and want_lp else -1
     specs = [
-        GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0)
+        GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0, logprob_start_len=start)
         for pi, p in enumerate(prompts)
         for j, s in enumerate(samples(sp, n))
     ]
@@ -98,12 +136,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, out in enumerate(outs):
         reason = check_done(state, out)
         prefix = echo[i // n]
-        lp = (
-            _completion_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs, bool(req.logprobs), len(prefix))
-            if want_lp
-            else None
-        )
-        choices.append(CompletionChoice(i, prefix + out.full_text, lp, finish_reason(reason)))
+        lp = None
+        if want_lp:
+            lp = _completion_logprobs(
+                state, out.token_ids, out.logprobs, out.top_logprobs, bool(req.logprobs), len(prefix)
+            )
+            if req.echo:
+                lp = _joined(_echo_logprobs(state, out.input_logprobs, bool(req.logprobs)), lp)
+        choice = CompletionChoice(i, prefix + out.full_text, lp, finish_reason(reason))
+        if warning := incomplete_json_warning(req.response_format, choice.finish_reason, out.full_text):
+            choice.structured_output_warning = warning
+        choices.append(choice)
     usage = usage_of([outs[pi * n].last for pi in range(len(prompts))], [o.last for o in outs])
     return web.json_response(body=msgspec.json.encode(CompletionResponse(rid, created, model, choices, usage)))
 
@@ -122,14 +165,21 @@ async def _stream_completion(
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     last: dict[int, Any] = {}
     offsets = {i: len(echo[i // n]) for i in range(len(group.specs))}
+    # With logprobs the echoed prompt waits for its log-probs, which come with the first delta.
+    echo_first = req.echo and req.logprobs is not None
     async with group, sse_stream(request) as resp:
-        if req.echo:
+        if req.echo and not echo_first:
             for i in range(len(group.specs)):
                 await send_event(resp, CompletionResponse(rid, created, model, [CompletionChoice(i, echo[i // n])]))
         async for i, d in group:
             last[i] = d
             if d.finish_reason == "abort":  # sse_stream sends the error event and [DONE]
                 raise abort_error(d.error, state.engine.healthy)
+            if echo_first and d.input_logprobs is not None:
+                prompt_lp = _echo_logprobs(state, d.input_logprobs, bool(req.logprobs))
+                await send_event(
+                    resp, CompletionResponse(rid, created, model, [CompletionChoice(i, echo[i // n], prompt_lp)])
+                )
             lp = None
             if req.logprobs is not None and d.token_ids:
                 lp = _completion_logprobs(

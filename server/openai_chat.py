@@ -1,5 +1,9 @@
 """/v1/chat/completions: messages through the model's chat template, structured output
-(response_format, server/structured.py) and tool calling (server/tool_calls.py).
+(response_format, server/structured.py), tool calling (server/tool_parsers/) and reasoning
+models (server/reasoning.py).
+
+Reasoning comes off the output first: the tool-call parser only ever sees the content after the
+`<think>` block (`_split_reasoning`, and `reasoners` before `parsers` when streaming).
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from server.protocol import (
     ToolCallOut,
     Usage,
 )
+from server.reasoning import ReasoningFormat, StreamingReasoningParser, reasoning_format, split
 from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState
-from server.structured import schema_param
-from server.tool_calls import StreamingToolParser, ToolCallDelta, ToolPlan, parse_tool_request
+from server.structured import incomplete_json_warning, schema_param
+from server.tool_parsers import StreamingToolParser, ToolCallDelta, ToolPlan, parse_tool_request
 
 
 def _chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -73,12 +78,14 @@ def _with_tools(
     them, else the generic system message), and the output constrained where tool_choice asks.
     Returns the plan (None: no tools, or tool_choice "none"), messages, chat-template kwargs and
     sampling params."""
-    plan = parse_tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tool_format = state.tool_format  # --tool-call-parser, or detected from the chat template
+    plan = parse_tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
     if plan is None:
         return None, messages, None, sp
-    native = state.native_tools
-    messages, template_kwargs = plan.render(messages, native)
-    constraint = plan.grammar(native)  # a tool schema xgrammar cannot take is a 400 naming it
+    messages, template_kwargs = plan.render(messages, tool_format)
+    if tool_format.keep_special_tokens and plan.choice != "none":  # its call marker is a special token
+        sp = msgspec.structs.replace(sp, skip_special_tokens=False)
+    constraint = plan.grammar(tool_format)  # a tool schema xgrammar cannot take is a 400 naming it
     if constraint is not None:
         if sp.grammar_spec() is not None:
             raise ApiError(
@@ -90,6 +97,60 @@ def _with_tools(
         kind, spec = constraint
         sp = msgspec.structs.replace(sp, **{kind: spec})
     return (None if plan.choice == "none" else plan), messages, template_kwargs, sp
+
+
+# apply_chat_template's own parameters and the template's `messages`: the server sets them, so a
+# request cannot through chat_template_kwargs (they would clash, or swap the template itself).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _template_kwargs(req: ChatCompletionRequest, tool_kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The client's chat_template_kwargs plus those tool calling renders (`tools` for a native
+    template). A key in both is a 400, not a silent winner: the tool parser and grammar follow the
+    `tools` field, so a template shown other tools would prompt calls the server cannot parse."""
+    user = req.chat_template_kwargs
+    if not user:
+        return tool_kwargs
+    for key in user:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise ApiError(400, f"chat_template_kwargs cannot set {key!r}", param="chat_template_kwargs")
+    clash = sorted(user.keys() & (tool_kwargs or {}).keys())
+    if clash:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs sets {', '.join(clash)}, which the request's tools already give the "
+            "chat template; send the tools in `tools` only",
+            param="chat_template_kwargs",
+        )
+    return {**user, **(tool_kwargs or {})}
+
+
+def _split_reasoning(
+    state: ServerState, fmt: ReasoningFormat | None, text: str
+) -> tuple[str | None, str | msgspec.UnsetType | None]:
+    """(content, reasoning_content) of a whole output. Without --reasoning-parser the content is
+    the text as before and reasoning_content is left out; with one, empty parts are null (SGLang's
+    answer, e.g. an unterminated block at max_tokens has content null)."""
+    if fmt is None:
+        return text, None if state.config.reasoning_parser else msgspec.UNSET
+    reasoning, content = split(fmt, text)
+    return content or None, reasoning or None
 
 
 def _rename(req: ChatCompletionRequest, tool_grammar: bool) -> Callable[[str | None], str | None]:
@@ -113,7 +174,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     else:
         sp = sampling_params(state, req, req.max_tokens)
     user_grammar = sp.grammar_spec() is not None
-    plan, messages, template_kwargs, sp = _with_tools(state, req, _chat_prompt(req), sp)
+    plan, messages, tool_kwargs, sp = _with_tools(state, req, _chat_prompt(req), sp)
+    template_kwargs = _template_kwargs(req, tool_kwargs)
+    fmt = reasoning_format(state.config.reasoning_parser, req.separate_reasoning, req.chat_template_kwargs)
     n = req.n or 1
     rid = new_id("chatcmpl")
     specs = [
@@ -122,20 +185,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     group = GenerationGroup(state, specs, _rename(req, not user_grammar and sp.grammar_spec() is not None))
     created, model = int(time.time()), state.config.model_name
     if req.stream:
-        return await _stream_chat(request, state, req, group, rid, created, plan)
+        return await _stream_chat(request, state, req, group, rid, created, plan, fmt)
     async with group:
         outs = await group.collect()
     choices = []
     for i, out in enumerate(outs):
         reason = finish_reason(check_done(state, out))
         lp = chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs) if req.logprobs else None
-        message = AssistantMessage(out.full_text)
-        if plan is not None:
-            parsed = plan.parse(out.full_text, state.native_tools)
+        content, reasoning = _split_reasoning(state, fmt, out.full_text)
+        message = AssistantMessage(content, reasoning_content=reasoning)
+        if plan is not None:  # tool calls are parsed from the content, the reasoning taken off
+            parsed = plan.parse(content or "", state.tool_format)
             calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in parsed.tool_calls]
-            message = AssistantMessage(parsed.content, tool_calls=calls or None)
+            message = AssistantMessage(parsed.content, tool_calls=calls or None, reasoning_content=reasoning)
             reason = "tool_calls" if calls else reason
-        choices.append(ChatChoice(i, message, lp, reason))
+        choice = ChatChoice(i, message, lp, reason)
+        if warning := incomplete_json_warning(req.response_format, reason, out.full_text):
+            choice.structured_output_warning = warning
+        choices.append(choice)
     usage = usage_of([outs[0].last], [o.last for o in outs])
     return web.json_response(body=msgspec.json.encode(ChatCompletionResponse(rid, created, model, choices, usage)))
 
@@ -154,13 +221,26 @@ async def _stream_chat(
     rid: str,
     created: int,
     plan: ToolPlan | None,
+    fmt: ReasoningFormat | None,
 ) -> web.StreamResponse:
     model = state.config.model_name
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    parsers = [plan.stream_parser(state.native_tools) if plan else None for _ in group.specs]
+    parsers = [plan.stream_parser(state.tool_format) if plan else None for _ in group.specs]
+    reasoners = [StreamingReasoningParser(fmt) if fmt else None for _ in group.specs]
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(rid, created, model, choices, usage)
+
+    def reasoning_deltas(i: int, text: str, done: bool) -> tuple[list[ChatDelta], str]:
+        """The step's reasoning piece as its own delta, and the content left for `deltas`."""
+        reasoner = reasoners[i]
+        if reasoner is None:
+            return [], text
+        piece = reasoner.feed(text)
+        if done:
+            tail = reasoner.finish()
+            piece = piece._replace(reasoning=piece.reasoning + tail.reasoning, content=piece.content + tail.content)
+        return ([ChatDelta(reasoning_content=piece.reasoning)] if piece.reasoning else []), piece.content
 
     def deltas(parser: StreamingToolParser | None, text: str, done: bool) -> list[ChatDelta]:
         if parser is None:
@@ -170,17 +250,21 @@ async def _stream_chat(
         return [_tool_chunk(e.tool_call) if e.tool_call else ChatDelta(content=e.content) for e in events]
 
     last: dict[int, Any] = {}
+    texts = [""] * len(group.specs)  # each choice's whole text, for the final chunk's JSON check
     async with group, sse_stream(request) as resp:
         for i in range(len(group.specs)):
             await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
         async for i, d in group:
             last[i] = d
+            texts[i] += d.text
             if d.finish_reason == "abort":  # sse_stream sends the error event and [DONE]
                 raise abort_error(d.error, state.engine.healthy)
             lp = None
             if req.logprobs and d.token_ids:
                 lp = chat_logprobs(state, d.token_ids, d.logprobs or [], d.top_logprobs or [])
-            out = deltas(parsers[i], d.text, d.finish_reason is not None)
+            done = d.finish_reason is not None
+            out, content = reasoning_deltas(i, d.text, done)
+            out += deltas(parsers[i], content, done)
             if lp is not None and not out:
                 out = [ChatDelta()]
             for k, delta in enumerate(out):  # the step's log-probs ride on its first chunk
@@ -189,7 +273,10 @@ async def _stream_chat(
                 reason = finish_reason(d.finish_reason)
                 if parsers[i] is not None and parsers[i].tool_calls:
                     reason = "tool_calls"
-                await send_event(resp, chunk([ChatChunkChoice(i, ChatDelta(), None, reason)]))
+                final = ChatChunkChoice(i, ChatDelta(), None, reason)
+                if warning := incomplete_json_warning(req.response_format, reason, texts[i]):
+                    final.structured_output_warning = warning
+                await send_event(resp, chunk([final]))
         else:
             if include_usage:
                 await send_event(resp, chunk([], usage_of([last.get(0)], list(last.values()))))

@@ -33,10 +33,21 @@ from server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EncodeRequest,
+    EncodeResponse,
     GenerateRequest,
     GenerateResponse,
+    LoadInfo,
     ModelList,
     ProfileRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
     WsCancel,
     WsDelta,
     WsError,
@@ -72,6 +83,17 @@ _STRUCTS: tuple[type, ...] = (
     WsCancel,
     WsDelta,
     WsError,
+    TokenizeRequest,
+    TokenizeResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
+    LoadInfo,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EncodeRequest,
+    EncodeResponse,
 )
 
 
@@ -175,6 +197,18 @@ _FLUSH = _Op("Drop every cached prefix (400 while requests run)", _json(_SUCCESS
 _MODEL = _Op("The served model (SGLang)", _json(_MODEL_INFO))
 _SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(_SERVER_INFO))
 _HEALTH_TEXT = "healthy (empty body)"
+_TOKENIZE = _Op(
+    "Tokenize a prompt, a batch of prompts (SGLang) or chat messages through the chat template (vLLM)",
+    _json(_ref("TokenizeResponse")),
+    body="TokenizeRequest",
+    errors=_BODY_ERRORS,
+)
+_DETOKENIZE = _Op(
+    "The text of token ids, or of a batch of id lists (400 naming an id outside the vocabulary)",
+    _json(_ref("DetokenizeResponse")),
+    body="DetokenizeRequest",
+    errors=_BODY_ERRORS,
+)
 _QUERY_KEY = {  # server/dashboard.py: a browser sets no header on a page load or a socket handshake
     "parameters": [
         {
@@ -216,6 +250,31 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
     ("GET", "/model_info"): _MODEL,
     ("GET", "/get_server_info"): _SERVER,
     ("GET", "/server_info"): _SERVER,
+    ("GET", "/version"): _Op("The server's version", _json(_ref("VersionResponse"))),
+    ("GET", "/get_load"): _Op(
+        "Each data-parallel rank's load: running and waiting requests, KV tokens in use (SGLang)",
+        _json({"type": "array", "items": _ref("LoadInfo")}),
+    ),
+    ("POST", "/v1/embeddings"): _Op(
+        "OpenAI embeddings: the prompt's final hidden states pooled (--pooling-method) and L2-normalised",
+        _json(_ref("EmbeddingResponse")),
+        body="EmbeddingRequest",
+        errors=(*_GEN_ERRORS, 404),
+    ),
+    ("POST", "/encode"): _Op(
+        "SGLang embeddings: one object, or a list for a batch",
+        _json({"oneOf": [_ref("EncodeResponse"), {"type": "array", "items": _ref("EncodeResponse")}]}),
+        body="EncodeRequest",
+        errors=_GEN_ERRORS,
+    ),
+    ("POST", "/tokenize"): _TOKENIZE,
+    ("POST", "/v1/tokenize"): _TOKENIZE,
+    ("POST", "/detokenize"): _DETOKENIZE,
+    ("POST", "/v1/detokenize"): _DETOKENIZE,
+    ("GET", "/tokenizer_info"): _Op(
+        "The tokenizer: special tokens and ids, chat template, context length (vLLM's; lm-eval's remote tokenizer)",
+        _json(_ref("TokenizerInfoResponse")),
+    ),
     ("POST", "/flush_cache"): _FLUSH,
     ("GET", "/flush_cache"): _FLUSH,
     ("POST", "/abort_request"): _Op(
@@ -241,7 +300,7 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
         errors=(400, 500),
     ),
     ("GET", "/metrics"): _Op(
-        "Prometheus metrics (only with --enable-metrics)",
+        "Prometheus metrics (on unless --disable-metrics)",
         {"text/plain": {"schema": {"type": "string"}}},
         open=True,
     ),
@@ -281,6 +340,8 @@ def _present(name: str) -> dict[str, Any]:
 _RULES: dict[str, dict[str, Any]] = {
     "GenerateRequest": {"oneOf": [_present("text"), _present("input_ids")]},  # exactly one prompt
     "WsGenerate": {"oneOf": [_present("text"), _present("input_ids")]},
+    "TokenizeRequest": {"oneOf": [_present("prompt"), _present("messages")]},
+    "EncodeRequest": {"oneOf": [_present("text"), _present("input_ids")]},
 }
 _UNDOCUMENTED = _Op("undocumented route", ok_text="see the handler", extra={"x-undocumented": True})
 

@@ -87,7 +87,7 @@ class ChatMessage(Struct, kw_only=True):
     content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     # An earlier assistant turn's calls ({"id", "type": "function", "function": {"name",
-    # "arguments"}}), and a tool result's reference to its call (server/tool_calls.py).
+    # "arguments"}}), and a tool result's reference to its call (server/tool_parsers/).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
@@ -101,6 +101,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang's: extra variables for the model's chat template (Qwen3's `enable_thinking`, ...),
+    # and, on a server with --reasoning-parser, whether to split the reasoning out of `content`
+    # into `reasoning_content` (server/reasoning.py).
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
 
 
 # ---- OpenAI responses ------------------------------------------------------------------------
@@ -129,6 +134,9 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # server/structured.py: a JSON-constrained choice that stopped on max_tokens inside its JSON
+    # (absent otherwise; the openai client keeps it in `choice.model_extra`)
+    structured_output_warning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(Struct):
@@ -173,6 +181,9 @@ class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    # Left out (UNSET) without --reasoning-parser, so such a server answers as before; with one it
+    # is always there, null when there was no reasoning or the request did not separate it.
+    reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class ChatChoice(Struct):
@@ -180,6 +191,9 @@ class ChatChoice(Struct):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # server/structured.py: a JSON-constrained choice that stopped on max_tokens inside its JSON
+    # (absent otherwise; the openai client keeps it in `choice.model_extra`)
+    structured_output_warning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionResponse(Struct):
@@ -210,6 +224,7 @@ class ToolCallChunk(Struct, omit_defaults=True):
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the reasoning (server/reasoning.py)
     tool_calls: list[ToolCallChunk] | None = None
 
 
@@ -218,6 +233,9 @@ class ChatChunkChoice(Struct):
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # server/structured.py: a JSON-constrained choice that stopped on max_tokens inside its JSON
+    # (absent otherwise; the openai client keeps it in `choice.model_extra`)
+    structured_output_warning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(Struct):
@@ -257,6 +275,10 @@ class GenerateRequest(Struct, kw_only=True):
     rid: str | list[str] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt log-probs from this position on (-1: only the last prompt position, unscored), one
+    # value for every prompt or one per prompt; the token texts ride along when asked.
+    logprob_start_len: int | list[int] = -1
+    return_text_in_logprobs: bool = False
 
 
 class AbortRequest(Struct, kw_only=True):
@@ -278,8 +300,11 @@ class MetaInfo(Struct, omit_defaults=True):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
-    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # SGLang's (log-prob, token id, text or None) triples; a prompt's first position has no log-prob
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
     # n-gram speculation (only when the request speculated): SGLang's spec_verify_ct, and the
     # drafts verified and accepted (engine.StreamDelta)
     spec_verify_ct: int | None = None
@@ -328,3 +353,148 @@ class WsError(Struct, tag="error", tag_field="type"):
 
 def encode(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
+
+
+# ---- tokenizer and info endpoints (server/tokenizer_api.py, /version and /get_load) -------------
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """POST /tokenize (and /v1/tokenize): vLLM's completion and chat shapes in one body, plus
+    SGLang's batch of prompts. Exactly one of `prompt` and `messages`."""
+
+    model: str | None = None  # accepted and ignored, as everywhere (one model is served)
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    # None: vLLM's defaults, true for a prompt and false for messages (the chat template already
+    # writes the special tokens it wants).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(Struct, omit_defaults=True):
+    """vLLM's and SGLang's answer; for a batch of prompts `tokens`, `count` (and `token_strs`)
+    are lists with one entry per prompt."""
+
+    count: int | list[int]
+    max_model_len: int
+    tokens: list[int | list[int]]
+    token_strs: list[str | list[str]] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """POST /detokenize (and /v1/detokenize): token ids, or a batch of id lists (SGLang)."""
+
+    model: str | None = None
+    tokens: list[int | list[int]]
+    skip_special_tokens: bool = False  # vLLM's behaviour: the text of every id, as HF's decode
+
+
+class DetokenizeResponse(Struct):
+    """`prompt` is vLLM's name (what lm-eval's remote tokenizer reads), `text` SGLang's."""
+
+    prompt: str | list[str]
+    text: str | list[str]
+
+
+class AddedTokenInfo(Struct):
+    content: str
+    special: bool
+    single_word: bool = False
+    lstrip: bool = False
+    rstrip: bool = False
+    normalized: bool = False
+
+
+class TokenizerInfoResponse(Struct):
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize like the server, e.g.
+    lm-evaluation-harness's RemoteTokenizer (special tokens, chat template)."""
+
+    tokenizer_class: str
+    name_or_path: str
+    vocab_size: int
+    model_max_length: int  # the served context length (the tokenizer's own is often a sentinel)
+    chat_template: str | None
+    eos_token: str | None
+    eos_token_id: int | None
+    bos_token: str | None
+    bos_token_id: int | None
+    pad_token: str | None
+    pad_token_id: int | None
+    unk_token: str | None
+    unk_token_id: int | None
+    add_bos_token: bool | None
+    add_eos_token: bool | None
+    clean_up_tokenization_spaces: bool | None
+    padding_side: str | None
+    truncation_side: str | None
+    added_tokens_decoder: dict[str, AddedTokenInfo]
+
+
+class VersionResponse(Struct):
+    version: str
+
+
+class LoadInfo(Struct):
+    """One data-parallel rank's load, as SGLang's GET /get_load answers it (a list of these)."""
+
+    dp_rank: int
+    num_reqs: int  # running
+    num_waiting_reqs: int
+    num_tokens: int  # KV cache tokens held by requests (neither free nor evictable cache)
+    max_total_num_tokens: int  # the KV pool's size
+    token_usage: float  # num_tokens / max_total_num_tokens
+
+
+# ---- embeddings (server/embeddings_api.py) ---------------------------------------------------
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """POST /v1/embeddings (OpenAI's): a string, a list of strings, a list of token ids or a list
+    of token-id lists (the handler checks the shape)."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own width: no truncation (Matryoshka) here
+    user: str | None = None
+
+
+class EmbeddingData(Struct):
+    index: int
+    embedding: list[float] | str  # base64: the float32 little-endian bytes, as OpenAI encodes them
+    object: str = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class EncodeRequest(Struct, kw_only=True):
+    """POST /encode (SGLang's): `text` or `input_ids`, one prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    rid: str | None = None
+
+
+class EncodeMetaInfo(Struct):
+    id: str
+    prompt_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+
+
+class EncodeResponse(Struct):
+    embedding: list[float]
+    meta_info: EncodeMetaInfo

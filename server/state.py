@@ -9,6 +9,7 @@ generations (a request with n=4 takes 4): `max_running_requests` of them run, an
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -20,7 +21,9 @@ from engine import Engine
 from server.config import ServerConfig
 from server.errors import ApiError, unavailable
 from server.metrics import Metrics
-from server.tool_calls import template_supports_tools
+from server.tool_parsers import select_format
+
+log = logging.getLogger(__name__)
 
 
 class Abortable(Protocol):
@@ -45,8 +48,10 @@ class ServerState:
         q = config.max_queued_requests
         self.max_inflight = None if q is None else engine.args.max_running_requests + q
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        # Whether the chat template renders `tools` (Hermes/Qwen style); else the generic format.
-        self.native_tools = template_supports_tools(engine.tokenizer)
+        # The tool-call format: --tool-call-parser, else the one the chat template renders `tools` in, else the
+        # generic JSON envelope. Logged once: a model whose calls come back as text is debugged from this line.
+        self.tool_format, why = select_format(config.tool_call_parser, engine.tokenizer)
+        log.info("tool calls: %s format (%s)", self.tool_format.name, why)
 
     @property
     def context_len(self) -> int:

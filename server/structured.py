@@ -92,3 +92,28 @@ def _response_format_schema(rf: dict[str, Any] | None) -> str | None:
             param="response_format.json_schema.schema",
         )
     return json.dumps(schema)
+
+
+# The note an OpenAI choice carries (as an extra field, `structured_output_warning`, which the
+# openai client keeps in `choice.model_extra`) when a JSON-constrained generation stopped on
+# max_tokens inside its JSON: finish_reason "length" alone does not tell a client that the content
+# will not parse, nor what to change.
+INCOMPLETE_JSON_WARNING = (
+    "max_tokens was reached inside the JSON: the content is incomplete and will not parse; raise "
+    "max_tokens, or bound the schema (maxLength, maxItems, maximum) so the JSON ends sooner"
+)
+
+
+def incomplete_json_warning(response_format: dict[str, Any] | None, finish_reason: str | None, text: str) -> str | None:
+    """INCOMPLETE_JSON_WARNING for a choice that stopped on length inside JSON it was constrained
+    to (response_format json_object / json_schema); None otherwise (a complete JSON value that
+    merely ended on the last allowed token included)."""
+    if finish_reason != "length" or not isinstance(response_format, dict):
+        return None
+    if response_format.get("type") not in ("json_object", "json_schema"):
+        return None
+    try:
+        json.loads(text)
+    except ValueError:
+        return INCOMPLETE_JSON_WARNING
+    return None

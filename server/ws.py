@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from engine import ResultBuilder
 from server.errors import ApiError, decode, to_api_error
 from server.generation import GenerationGroup
-from server.native_api import finish_reason_obj, meta_info, parse_generate
+from server.native_api import finish_reason_obj, parse_generate, result_meta
 from server.protocol import WsCancel, WsClientMessage, WsDelta, WsError, encode
 from server.state import STATE, ServerState
 
@@ -51,6 +52,7 @@ NO_FINISH = "the generation ended without a finish reason"  # a safety net: not 
 class _Running:
     group: GenerationGroup
     many: bool  # tag deltas with `index`
+    return_text_in_logprobs: bool = False
     finished: set[int] = field(default_factory=set)  # indexes that sent their last delta
     task: asyncio.Task | None = None
 
@@ -125,7 +127,7 @@ class WsSession:
                 err = _internal(e)
             await self.send_error(msg.id, err)
             return
-        run = _Running(group, many)
+        run = _Running(group, many, msg.return_text_in_logprobs)
         run.task = asyncio.create_task(self._run(msg.id, run))
         self.running[msg.id] = run
 
@@ -151,10 +153,13 @@ class WsSession:
     async def _stream(self, gen_id: str | int, run: _Running) -> str:
         """Send the generation's deltas; returns the abort message for choices left unfinished."""
         t0 = time.perf_counter()
+        outs = [ResultBuilder() for _ in run.group.specs]  # the final meta_info's log-probs
+        text = self.state.token_text if run.return_text_in_logprobs else None
         try:
             async for i, d in run.group:
                 done = d.finish_reason is not None
-                meta = meta_info(d.rid, d, t0) if done else None
+                outs[i].add(d)
+                meta = result_meta(run.group.specs[i], outs[i], t0, text) if done else None
                 await self.send(
                     WsDelta(gen_id, d.text, d.token_ids, finish_reason_obj(d), meta, i if run.many else None)
                 )

@@ -222,8 +222,18 @@ _BASES = {
     ).map(_merge),
     "/abort_request": st.fixed_dictionaries({"rid": st.text(max_size=8)}),
     "/flush_cache": st.fixed_dictionaries({}),
+    "/tokenize": st.fixed_dictionaries(
+        {"prompt": st.text(max_size=20)}, optional={"add_special_tokens": st.booleans()}
+    ),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(-2, 60000), max_size=6)}),
+    "/v1/embeddings": st.fixed_dictionaries(
+        {"input": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.text(min_size=1, max_size=8), max_size=3))},
+        optional={"encoding_format": st.sampled_from(["float", "base64", "hex"]), "dimensions": st.integers(-1, 600)},
+    ),
+    "/encode": _prompt,
 }
 _FIELDS = ["prompt", "messages", "max_tokens", "n", "stream", "text", "input_ids", "sampling_params", "rid", "model"]
+_FIELDS += ["tokens", "input", "echo", "logprobs", "logprob_start_len"]
 _INVALID_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80abc", b"\xe2\x82"]
 
 

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.cli import parse_args
 from server.config import ServerConfig
 from server.dp.controller import check_listen, report_start_failure
 from server.dp.frontend import build_frontend
@@ -155,7 +156,7 @@ async def test_server_process_exit_stop_and_log(tmp_path):
 
 class FakeReplica(Replica):
     """A tiny aiohttp server standing in for a replica: /health, /v1/completions (says which
-    replica answered), /metrics; a new port at every start; `crash()` ends it as a kill would."""
+    replica answered), /metrics, /get_load, /tokenize; a new port at every start; `crash()` ends it as a kill would."""
 
     def __init__(self, index: int, failing_starts: int = 0) -> None:
         super().__init__(ReplicaPlan(index, torch_threads=1))
@@ -180,6 +181,10 @@ class FakeReplica(Replica):
         app.router.add_get("/health", lambda r: web.json_response({}))
         app.router.add_post("/v1/completions", lambda r: web.json_response({"replica": self.index}))
         app.router.add_get("/metrics", lambda r: web.Response(text=f"# TYPE up gauge\nup {self.index + 1}\n"))
+        # as a single server answers: one entry, rank 0 (it does not know its index)
+        load = [{"dp_rank": 0, "num_reqs": self.index + 1, "num_waiting_reqs": 0, "num_tokens": 0}]
+        app.router.add_get("/get_load", lambda r: web.json_response(load))
+        app.router.add_post("/tokenize", lambda r: web.json_response({"tokens": [self.index]}))
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         port = free_port()
@@ -225,6 +230,11 @@ async def test_frontend_restarts_a_crashed_replica_at_its_new_address(monkeypatc
                 families = {f.name: f for f in text_string_to_metric_families(await r.text())}
             assert {(x.labels["dp_rank"], x.value) for x in families["up"].samples} == {("0", 1.0), ("1", 2.0)}
             assert "sgl_router_worker_healthy" in families
+            async with s.get(url + "/get_load") as r:
+                loads = await r.json()
+            assert [(e["dp_rank"], e["num_reqs"]) for e in loads] == [(0, 1), (1, 2)]  # renumbered by replica
+            async with s.post(url + "/tokenize", json={"prompt": "x"}) as r:
+                assert r.status == 200 and (await r.json())["tokens"] in ([0], [1])  # proxied to a replica
 
             old = replicas[1].url
             replicas[1].failing_starts = 1  # the first restart fails too: it is retried
@@ -254,7 +264,7 @@ async def _entry_when(dp, index: int, pred) -> dict | None:
     return entry if pred(entry) else None
 
 
-async def test_start_all_raises_the_first_failure_and_metrics_need_the_flag():
+async def test_start_all_raises_the_first_failure_and_metrics_are_on_unless_disabled():
     replicas = [FakeReplica(0), FakeReplica(1, failing_starts=1)]
     supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
     with pytest.raises(ReplicaStartError, match="replica 1 exited with status 1"):
@@ -265,8 +275,10 @@ async def test_start_all_raises_the_first_failure_and_metrics_need_the_flag():
     supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
     await supervisor.start_all()
     try:
-        async with serving(build_frontend(ServerConfig(), supervisor, "local")) as url:
-            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/metrics") as r:
-                assert r.status == 404  # like a single server without --enable-metrics
+        for argv, status in (([], 200), (["--enable-metrics"], 200), (["--disable-metrics"], 404)):
+            _, config = parse_args(argv)  # as a single server: on by default, SGLang's flag a no-op
+            async with serving(build_frontend(config, supervisor, "local")) as url:
+                async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/metrics") as r:
+                    assert r.status == status, argv
     finally:
         await supervisor.stop_all()

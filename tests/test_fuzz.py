@@ -51,11 +51,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}  # pass copies: schemathesis adds its 
 CONTEXT = 128
 BODY_OPS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /abort_request"]
 BODY_OPS += ["POST /start_profile"]
+BODY_OPS += ["POST /tokenize", "POST /v1/tokenize", "POST /detokenize", "POST /v1/detokenize"]
+BODY_OPS += ["POST /v1/embeddings", "POST /encode"]
 OPEN_OPS = ["GET /health", "GET /health_generate", "GET /metrics", "GET /openapi.json"]
 OPS = BODY_OPS + OPEN_OPS
 OPS += ["GET /v1/models", "GET /get_model_info", "GET /model_info", "GET /get_server_info", "GET /server_info"]
 OPS += ["POST /flush_cache", "GET /flush_cache", "GET /ws", "POST /stop_profile", "POST /dump_flight_recorder"]
 OPS += ["GET /dashboard", "GET /dashboard/ws"]
+OPS += ["GET /tokenizer_info", "GET /version", "GET /get_load"]
 EXAMPLES = {schemathesis.GenerationMode.POSITIVE: 30, schemathesis.GenerationMode.NEGATIVE: 30}
 BODYLESS_EXAMPLES = 3  # a GET without parameters has one case; hypothesis would repeat it
 RAW_EXAMPLES = 40
@@ -231,6 +234,7 @@ def test_fuzz_operation(server, schema, op: str, mode: schemathesis.GenerationMo
 # ---- raw HTTP bodies ----------------------------------------------------------------------------------
 
 RAW_PATHS = ["/v1/completions", "/v1/chat/completions", "/generate", "/abort_request", "/flush_cache"]
+RAW_PATHS += ["/tokenize", "/detokenize", "/v1/embeddings", "/encode"]
 
 
 @pytest.mark.parametrize("path", RAW_PATHS)

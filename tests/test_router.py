@@ -309,6 +309,23 @@ def test_probes_model_info_and_aborts_reach_the_workers(router, workers, model):
     assert bad.value.code == 400
 
 
+def test_tokenizer_version_and_load_through_the_router(router, workers, default_tokenizer):
+    """The tokenizer endpoints answer through the router as from one server; /get_load lists
+    every worker, numbered by its index (each calls itself rank 0)."""
+    ids = default_tokenizer.encode("Routed tokens")
+    for path in ("/tokenize", "/v1/tokenize"):
+        assert _post(router.url + path, {"prompt": "Routed tokens"})[1]["tokens"] == ids
+    assert _post(router.url + "/detokenize", {"tokens": ids})[1]["prompt"] == "Routed tokens"
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        _post(router.url + "/detokenize", {"tokens": [-1]})
+    assert bad.value.code == 400  # the worker's answer, passed through
+    assert get_json(router.url + "/tokenizer_info")["eos_token"] == default_tokenizer.eos_token
+    assert get_json(router.url + "/version") == get_json(workers[0].url + "/version")
+    loads = get_json(router.url + "/get_load")
+    assert [e["dp_rank"] for e in loads] == [0, 1]
+    assert all(e["max_total_num_tokens"] == 16384 for e in loads)
+
+
 def _post(url: str, body: dict) -> tuple[str, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:

@@ -324,3 +324,30 @@ async def test_failures_in_mid_generation_and_in_a_frame_keep_the_socket(tiny_mo
             while not ok or ok[-1].get("finish_reason") is None:
                 ok.append(await ws.receive_json())
             assert ok[-1]["finish_reason"] == {"type": "length", "length": 20}
+
+
+async def test_final_meta_info_carries_the_logprobs_asked_for(tiny_server):
+    """As /generate's: output and prompt log-probs in the final delta's meta_info, never dropped."""
+    url = tiny_server.url
+    body = {
+        "text": "Log-probs over the socket",
+        "sampling_params": {**GREEDY, "max_new_tokens": 5},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+        "return_text_in_logprobs": True,
+    }
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            want = (await r.json())["meta_info"]
+        async with s.ws_connect(url + "/ws") as ws:
+            await ws.send_json({"type": "generate", "id": "lp", **body})
+            async with asyncio.timeout(60):
+                while (msg := await ws.receive_json()).get("finish_reason") is None:
+                    assert msg["type"] == "delta", msg
+    meta = msg["meta_info"]
+    assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 5
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs"):
+        assert meta[key] == want[key], key  # greedy: the same request over HTTP scores the same

@@ -69,8 +69,10 @@ def _prompts() -> list[list[int]]:
     return [shared + own[0], own[1], shared + own[2], shared + own[3], shared + own[4], own[5] + shared]
 
 
-def _run(folder: str, tp: int) -> tuple[list[list[int]], list[int], list[dict]]:
-    """Greedy outputs, cached prompt tokens and each rank's facts, for one TP size."""
+def _run(folder: str, tp: int, extras: dict | None = None) -> tuple[list[list[int]], list[int], list[dict]]:
+    """Greedy outputs, cached prompt tokens and each rank's facts, for one TP size; `extras`
+    collects a prompt-scoring request's log-probs and an embedding request's vector (both run
+    beside the generations: the worker ranks join the LM head's gathers for the scored rows)."""
     args = ServerArgs(
         model_path=folder,
         dtype="float32",
@@ -88,6 +90,20 @@ def _run(folder: str, tp: int) -> tuple[list[list[int]], list[int], list[dict]]:
         params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
         prompts = _prompts()
         reqs = [sched.add_request(p, params) for p in prompts[:3]]
+        if extras is not None:
+            real = sched.process
+
+            def process(lb, result):
+                msg = real(lb, result)
+                for rid, lp, emb in zip(msg.rids, msg.input_logprobs, msg.embeddings):
+                    extras.update({rid: lp} if lp is not None else {rid: emb} if emb is not None else {})
+                return msg
+
+            sched.process = process
+            sched.add_request(
+                prompts[3], SamplingParams(max_new_tokens=0), "score", top_logprobs_num=2, logprob_start_len=0
+            )
+            sched.add_request(prompts[5], SamplingParams(), "embed", pooling="mean")
 
         def join(step: int) -> None:  # the rest join mid-run, after the shared prefix is cached
             if step == 4:
@@ -101,9 +117,15 @@ def _run(folder: str, tp: int) -> tuple[list[list[int]], list[int], list[dict]]:
 
 
 def test_tp2_greedy_tokens_equal_tp1(tiny):
-    want, cached, _ = _run(tiny, 1)
-    got, cached_tp, ranks = _run(tiny, 2)
+    want_extras, got_extras = {}, {}
+    want, cached, _ = _run(tiny, 1, want_extras)
+    got, cached_tp, ranks = _run(tiny, 2, got_extras)
     assert got == want
+    score, want_score = got_extras["score"], want_extras["score"]
+    assert score.ids == want_score.ids and len(score.values) == len(_prompts()[3])
+    assert score.values[1:] == pytest.approx(want_score.values[1:], abs=1e-4)
+    assert [[t for t, _ in row] for row in score.top[1:]] == [[t for t, _ in row] for row in want_score.top[1:]]
+    assert got_extras["embed"] == pytest.approx(want_extras["embed"], abs=1e-5)
     assert cached_tp == cached and sum(cached) >= 2 * 40  # the joiners' shared prefix came from the cache
     [whole] = _run_ranks_single(tiny)
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2

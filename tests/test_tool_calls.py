@@ -1,5 +1,5 @@
-"""OpenAI tool calling (server/tool_calls.py): request validation, prompting through real chat
-templates, grammars that xgrammar compiles and that accept exactly the calls we parse, and the
+"""OpenAI tool calling (server/tool_parsers/, the Hermes and generic formats): request validation, prompting
+through real chat templates, grammars that xgrammar compiles and that accept exactly the calls we parse, and the
 streaming parser, whose events must add up to the one-shot parse however the text is chunked."""
 
 from __future__ import annotations
@@ -15,13 +15,21 @@ import xgrammar as xgr
 
 from server.errors import ApiError
 from server.json_text import decode_string
-from server.tool_calls import (
+from server.tool_parsers import (
     ParsedOutput,
     StreamEvent,
+    ToolFormat,
     ToolPlan,
+    detect_format,
+    get_format,
     parse_tool_request,
-    template_supports_tools,
 )
+
+HERMES_F, GENERIC = get_format("hermes"), get_format("generic")
+
+
+def _fmt(native: bool) -> ToolFormat:
+    return HERMES_F if native else GENERIC
 
 
 def _obj(required: list[str], **properties: Any) -> dict[str, Any]:
@@ -118,8 +126,8 @@ def test_requests_without_tools_and_defaults() -> None:
     assert plan.tools[3].parameters == {"type": "object", "properties": {}} and not plan.tools[0].strict
     named = _plan({"type": "function", "function": {"name": "tree"}}, parallel=False)
     assert (named.choice, named.forced, named.parallel) == ("function", "tree", False)
-    assert _plan("none").grammar(False) is None and _plan("none").grammar(True) is None
-    assert _plan("auto").grammar(True) is None
+    assert _plan("none").grammar(GENERIC) is None and _plan("none").grammar(HERMES_F) is None
+    assert _plan("auto").grammar(HERMES_F) is None
     empty = parse_tool_request(_fn(name="x", parameters={}), None, None)  # {} would allow any value, not an object
     assert empty is not None and empty.tools[0].parameters == {"type": "object", "properties": {}}
 
@@ -129,21 +137,21 @@ def test_schema_xgrammar_cannot_compile_is_a_400_on_that_tool() -> None:
     plan = parse_tool_request(tools, "auto", None)
     assert plan is not None
     with pytest.raises(ApiError) as info:
-        plan.grammar(False)
+        plan.grammar(GENERIC)
     assert info.value.param == "tools[1].function.parameters"
     forced = parse_tool_request(tools, {"type": "function", "function": {"name": "get_weather"}}, None)
-    assert forced is not None and forced.grammar(False) is not None  # only the callable tools count
+    assert forced is not None and forced.grammar(GENERIC) is not None  # only the callable tools count
 
 
-def test_template_supports_tools(default_tokenizer: Any) -> None:
-    assert not template_supports_tools(default_tokenizer)
+def test_detect_format(default_tokenizer: Any) -> None:
+    assert detect_format(default_tokenizer) == "generic"
     tok = copy.deepcopy(default_tokenizer)
     tok.chat_template = HERMES
-    assert template_supports_tools(tok)
+    assert detect_format(tok) == "hermes"
     tok.chat_template = {"default": default_tokenizer.chat_template, "tool_use": HERMES}
-    assert template_supports_tools(tok)
-    tok.chat_template = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"  # another format
-    assert not template_supports_tools(tok)
+    assert detect_format(tok) == "hermes"
+    tok.chat_template = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"  # no known format
+    assert detect_format(tok) == "generic"
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -194,7 +202,7 @@ def test_render_native_feeds_a_hermes_template(default_tokenizer: Any) -> None:
     tok = copy.deepcopy(default_tokenizer)
     tok.chat_template = HERMES
     plan = _plan("auto", names=("get_weather", "ping"))
-    messages, kwargs = plan.render(copy.deepcopy(CONVERSATION), native=True)
+    messages, kwargs = plan.render(copy.deepcopy(CONVERSATION), HERMES_F)
     assert kwargs is not None and [t["function"]["name"] for t in kwargs["tools"]] == ["get_weather", "ping"]
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[3]["name"] == "get_weather" and messages[1]["content"] == "Weather in Paris?"
@@ -204,14 +212,14 @@ def test_render_native_feeds_a_hermes_template(default_tokenizer: Any) -> None:
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert '<tool_response name="get_weather">\n20C\n</tool_response>' in text
     assert text.endswith("<|im_start|>user\nAnd Rome?<|im_end|>\n<|im_start|>assistant\n")
-    none_messages, none_kwargs = _plan("none").render(copy.deepcopy(CONVERSATION), native=True)
+    none_messages, none_kwargs = _plan("none").render(copy.deepcopy(CONVERSATION), HERMES_F)
     assert none_kwargs is None and none_messages == messages  # earlier calls still convert
     assert CONVERSATION[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # input untouched
 
 
 def test_render_generic_feeds_the_smollm2_template(default_tokenizer: Any) -> None:
     plan = _plan("auto", names=("get_weather", "ping"))
-    messages, kwargs = plan.render(copy.deepcopy(CONVERSATION), native=False)
+    messages, kwargs = plan.render(copy.deepcopy(CONVERSATION), GENERIC)
     assert kwargs is None and " ".join(m["role"] for m in messages) == "system user assistant tool assistant user"
     system = messages[0]["content"]
     assert system.startswith("Be brief.\n\nYou can call these tools.")
@@ -226,12 +234,12 @@ def test_render_generic_feeds_the_smollm2_template(default_tokenizer: Any) -> No
     assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools.")
     assert f"<|im_start|>tool\n{messages[3]['content']}<|im_end|>\n" in text
     # without a system message ours comes first; one call without parallel calls is a "tool_call"
-    single, _ = _plan("required", parallel=False).render(CONVERSATION[1:], native=False)
+    single, _ = _plan("required", parallel=False).render(CONVERSATION[1:], GENERIC)
     assert single[0]["role"] == "system" and "You must call a tool." in single[0]["content"]
     assert json.loads(single[2]["content"]) == {"tool_call": calls["tool_calls"][0]}
-    named, _ = _plan({"type": "function", "function": {"name": "ping"}}).render([], native=False)
+    named, _ = _plan({"type": "function", "function": {"name": "ping"}}).render([], GENERIC)
     assert "You must call the tool ping." in named[0]["content"]
-    plain, _ = _plan("none").render(copy.deepcopy(CONVERSATION), native=False)
+    plain, _ = _plan("none").render(copy.deepcopy(CONVERSATION), GENERIC)
     assert plain[0]["content"] == "Be brief." and plain[4]["content"] == "It is 20C."
     assert json.loads(plain[2]["content"]) == calls
 
@@ -259,7 +267,7 @@ def _envelope(name: str, parallel: bool, n: int = 1) -> str:
 @pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "tree"}}])
 def test_generic_grammar_accepts_exactly_the_envelope(compiler: Any, choice: Any, parallel: bool) -> None:
     plan = _plan(choice, parallel)
-    kind, spec = plan.grammar(native=False)  # type: ignore[misc]
+    kind, spec = plan.grammar(GENERIC)  # type: ignore[misc]
     assert kind == "ebnf"  # the envelope's schema as compact JSON (no free whitespace)
     xgr.Grammar.from_ebnf(spec)
     compiled = compiler.compile_grammar(spec)
@@ -268,7 +276,7 @@ def test_generic_grammar_accepts_exactly_the_envelope(compiler: Any, choice: Any
         text = _envelope(name, parallel)
         assert _accepts(compiled, text) == (name in allowed), text
         if name in allowed:
-            parsed = plan.parse(text, native=False)
+            parsed = plan.parse(text, GENERIC)
             assert parsed.content is None and [c.name for c in parsed.tool_calls] == [name]
             jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), plan.tools[ALL.index(name)].parameters)
     if parallel:
@@ -279,7 +287,7 @@ def test_generic_grammar_accepts_exactly_the_envelope(compiler: Any, choice: Any
     assert not _accepts(compiled, '{"tool_calls": []}')
     # the history the generic prompt shows is in the format the grammar allows
     history = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "tree", "arguments": "{}"}}]}
-    shown = plan.render([history], native=False)[0][-1]["content"]
+    shown = plan.render([history], GENERIC)[0][-1]["content"]
     assert _accepts(compiled, shown.replace("{}", json.dumps(ARGS["tree"])))
 
 
@@ -287,7 +295,7 @@ def test_generic_grammar_accepts_exactly_the_envelope(compiler: Any, choice: Any
 def test_native_grammar_is_ebnf_of_call_blocks(compiler: Any, parallel: bool) -> None:
     for choice in ("required", {"type": "function", "function": {"name": "nested"}}):
         plan = _plan(choice, parallel)
-        kind, ebnf = plan.grammar(native=True)  # type: ignore[misc]
+        kind, ebnf = plan.grammar(HERMES_F)  # type: ignore[misc]
         assert kind == "ebnf"
         xgr.Grammar.from_ebnf(ebnf)
         compiled = compiler.compile_grammar(ebnf)
@@ -296,7 +304,7 @@ def test_native_grammar_is_ebnf_of_call_blocks(compiler: Any, parallel: bool) ->
             assert _accepts(compiled, _block(name, ARGS[name])) == (name in allowed)
         two = _block("nested", ARGS["nested"]) + "\n" + _block(allowed[-1], ARGS[allowed[-1]])
         assert _accepts(compiled, two) == parallel
-        parsed = plan.parse(two, native=True)
+        parsed = plan.parse(two, HERMES_F)
         assert [c.name for c in parsed.tool_calls] == ["nested", allowed[-1]][: 2 if parallel else 1]
         for bad in ("Sure! " + _block("nested", ARGS["nested"]), _block("nested", {"user": {"name": "x"}})):
             assert not _accepts(compiled, bad)
@@ -347,7 +355,7 @@ GENERIC_CASES: list[tuple[str, str | None, list[str]]] = [
 
 @pytest.mark.parametrize(("text", "content", "names"), NATIVE_CASES)
 def test_parse_native(text: str, content: str | None, names: list[str]) -> None:
-    parsed = _plan().parse(text, native=True)
+    parsed = _plan().parse(text, HERMES_F)
     assert parsed.content == (text if content is SAME else content) and [c.name for c in parsed.tool_calls] == names
     for call in parsed.tool_calls:
         assert call.id.startswith("call_") and len(call.id) == 29 and int(call.id[5:], 16) >= 0
@@ -356,7 +364,7 @@ def test_parse_native(text: str, content: str | None, names: list[str]) -> None:
 
 @pytest.mark.parametrize(("text", "content", "names"), GENERIC_CASES)
 def test_parse_generic(text: str, content: str | None, names: list[str]) -> None:
-    parsed = _plan().parse(text, native=False)
+    parsed = _plan().parse(text, GENERIC)
     assert parsed.content == (text if content is SAME else content) and [c.name for c in parsed.tool_calls] == names
     for call in parsed.tool_calls:
         assert call.arguments == json.dumps(ARGS[call.name], ensure_ascii=False, separators=(",", ":"))
@@ -365,24 +373,24 @@ def test_parse_generic(text: str, content: str | None, names: list[str]) -> None
 
 def test_parse_respects_choice_and_parallel() -> None:
     two = _block("get_weather", {"city": "A"}) + _block("ping", {})
-    single = _plan(parallel=False).parse(two, native=True)
+    single = _plan(parallel=False).parse(two, HERMES_F)
     assert [c.name for c in single.tool_calls] == ["get_weather"] and single.content == _block("ping", {})
-    named = _plan({"type": "function", "function": {"name": "ping"}}).parse(two, native=True)
+    named = _plan({"type": "function", "function": {"name": "ping"}}).parse(two, HERMES_F)
     assert [c.name for c in named.tool_calls] == ["ping"]
-    assert _plan("none").parse(two, native=True) == ParsedOutput(two, [])
+    assert _plan("none").parse(two, HERMES_F) == ParsedOutput(two, [])
 
 
 # -- streaming -----------------------------------------------------------------------------------
 
 
 def _run(plan: ToolPlan, native: bool, chunks: list[str]) -> tuple[Any, list[StreamEvent]]:
-    parser = plan.stream_parser(native)
+    parser = plan.stream_parser(_fmt(native))
     events = [e for chunk in chunks for e in parser.feed(chunk)]
     return parser, events + parser.finish()
 
 
 def _check_stream(plan: ToolPlan, native: bool, text: str, chunks: list[str]) -> None:
-    expected = plan.parse(text, native)
+    expected = plan.parse(text, _fmt(native))
     parser, events = _run(plan, native, chunks)
     assert all((e.content is None) != (e.tool_call is None) and e.content != "" for e in events)
     assert "".join(e.content for e in events if e.content is not None) == (expected.content or "")
@@ -416,7 +424,7 @@ def test_stream_matches_parse_for_every_chunking(native: bool, text: str) -> Non
 
 
 def test_stream_sends_text_early() -> None:
-    parser = _plan().stream_parser(native=True)
+    parser = _plan().stream_parser(HERMES_F)
     assert parser.feed("  Hi there  ") == [StreamEvent(content="Hi there")]
     assert parser.feed("<tool") == []
     assert parser.feed("> now") == [StreamEvent(content="  <tool> now")]
@@ -424,7 +432,7 @@ def test_stream_sends_text_early() -> None:
     events = parser.feed(">")
     assert len(events) == 1 and events[0].tool_call is not None and events[0].tool_call.name == "get_weather"
     assert parser.finish() == []
-    generic = _plan().stream_parser(native=False)
+    generic = _plan().stream_parser(GENERIC)
     assert generic.feed('{"resp') == [] and generic.feed('onse": "Hel') == [StreamEvent(content="Hel")]
     assert generic.feed("lo \\u00") == [StreamEvent(content="lo ")]
     assert generic.feed('e9"}') == [StreamEvent(content="é")] and generic.finish() == []

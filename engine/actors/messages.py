@@ -60,6 +60,10 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     seed: int  # resolved: the user's seed, or one drawn at submission
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt log-probs from this position on (resolved by the Receiver: -1 = none).
+    logprob_start_len: int = -1
+    # An embedding request: how its prompt's final hidden states are pooled (None: generation)
+    pooling: str | None = None
     # The compiled grammar of sampling_params' json_schema/regex/ebnf, by reference: a shared,
     # read-only object (like the tokenizer). Across a process boundary it would be re-fetched
     # from that side's grammar cache by sampling_params.grammar_spec().

@@ -95,7 +95,7 @@ class OutputProcessor(Actor):
         if reason is not None:
             st.finished = True
             self.states.pop(rid, None)
-        if not ids and not text and reason is None:
+        if not ids and not text and reason is None and msg.input_logprobs[i] is None:
             return None
         verify_ct, draft_tokens, accepted_tokens = msg.spec[i] or (None, None, None)
         return StreamDelta(
@@ -114,4 +114,6 @@ class OutputProcessor(Actor):
             spec_verify_ct=verify_ct,
             spec_draft_tokens=draft_tokens,
             spec_accepted_tokens=accepted_tokens,
+            input_logprobs=msg.input_logprobs[i],
+            embedding=msg.embeddings[i],
         )

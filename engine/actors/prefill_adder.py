@@ -120,6 +120,8 @@ class PrefillAdderActor(Actor):
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             grammar=msg.grammar,
+            logprob_start_len=msg.logprob_start_len,
+            pooling=msg.pooling,
         )
         if len(msg.input_ids) + self.planner.page_size > self.pool_tokens:
             req.abort(

@@ -22,7 +22,7 @@ import msgspec
 
 from engine.actors.messages import AbortReq, BatchStrOut, ControlReply, RegisterReq, StreamDelta, TokenizedGenerateReq
 from engine.actors.runtime import Actor
-from engine.api import Prompt
+from engine.api import Prompt, PromptLogprobs
 from engine.constrained import CompiledGrammar, GrammarBackend
 from engine.errors import (
     ContextLengthExceededError,
@@ -32,6 +32,7 @@ from engine.errors import (
     RequestTooLargeError,
 )
 from engine.sampling import SamplingParams
+from engine.scheduler.batch import resolve_logprob_start_len
 
 DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
 
@@ -47,8 +48,12 @@ class Receiver(Actor):
         pool_tokens: int,
         grammar_backend: GrammarBackend | None = None,
         grammar_compile_timeout: float | None = None,
+        pooling_method: str = "last",
+        is_embedding: bool = False,
     ) -> None:
         super().__init__("receiver")
+        self.pooling_method = pooling_method  # how embedding requests pool (ServerArgs.pooling_method)
+        self.is_embedding = is_embedding  # an embedding-only engine refuses generation
         self.grammar_backend = grammar_backend  # None: structured output is off
         self.grammar_compile_timeout = grammar_compile_timeout
         self.compiling: dict[str, asyncio.Task[None]] = {}  # the grammar queue, by rid
@@ -107,6 +112,8 @@ class Receiver(Actor):
         top_logprobs_num: int = 0,
         grammar: CompiledGrammar | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        logprob_start_len: int = -1,
+        embed: bool = False,
     ) -> tuple[str, asyncio.Queue[StreamDelta]]:
         """Validate and enqueue one request; returns its rid and the queue its deltas arrive on.
 
@@ -114,6 +121,10 @@ class Receiver(Actor):
         `compile_grammar`) waits in the grammar queue: a task compiles it and then forwards the
         request; a spec that fails ends the stream with an `abort` delta carrying the error.
         """
+        if embed:  # a prefill and nothing else: its final delta carries the pooled embedding
+            params = msgspec.structs.replace(params, max_new_tokens=0, min_new_tokens=0)
+        elif self.is_embedding:
+            raise InvalidRequestError("this engine serves embeddings only (is_embedding): use encode", "model")
         params.verify(self.vocab_size)
         if not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be between 0 and 20", "top_logprobs")
@@ -132,15 +143,21 @@ class Receiver(Actor):
         rid = rid if rid is not None else f"req-{next(self._ids)}-{random.getrandbits(32):08x}"
         if rid in self.streams:
             raise InvalidRequestError(f"a request with rid {rid!r} is already running", "rid")
+        return_logprob = return_logprob or top_logprobs_num > 0
+        start = resolve_logprob_start_len(logprob_start_len, len(ids), return_logprob)
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
-        if params.max_new_tokens == 0:  # nothing to generate: finished before it starts (SGLang's answer)
-            queue.put_nowait(StreamDelta(rid, "", [], finish_reason="length", prompt_tokens=len(ids)))
+        if params.max_new_tokens == 0 and start >= len(ids) - 1 and not embed:
+            # Nothing to generate or score: finished before it starts (SGLang's answer); the one
+            # prompt position asked for, if any, is the first, which is never scored.
+            prompt = PromptLogprobs(ids[start:], [None], [None] if top_logprobs_num else None) if start >= 0 else None
+            queue.put_nowait(
+                StreamDelta(rid, "", [], finish_reason="length", prompt_tokens=len(ids), input_logprobs=prompt)
+            )
             return rid, queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.streams[rid] = queue
-        req = TokenizedGenerateReq(
-            rid, ids, params, seed, return_logprob or top_logprobs_num > 0, top_logprobs_num, grammar
-        )
+        pooling = self.pooling_method if embed else None
+        req = TokenizedGenerateReq(rid, ids, params, seed, return_logprob, top_logprobs_num, start, pooling, grammar)
         if spec is not None and grammar is None:
             self.compiling[rid] = asyncio.get_running_loop().create_task(self._compile_then_forward(req))
         else:

@@ -8,6 +8,7 @@ xgrammar, never the scheduler, the actors or the model side. The scheduler owns 
 
 from engine.constrained.backend import GRAMMAR_KINDS, CompiledGrammar, GrammarBackend, GrammarCacheInfo, GrammarKind
 from engine.constrained.bitmask import allocate_bitmask, apply_bitmask, fill_bitmasks
+from engine.constrained.json_bounds import JsonBounds
 from engine.constrained.state import GrammarState
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "GrammarCacheInfo",
     "GrammarKind",
     "GrammarState",
+    "JsonBounds",
     "allocate_bitmask",
     "apply_bitmask",
     "fill_bitmasks",

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import xgrammar as xgr
 
+from engine.constrained.json_bounds import JsonBounds, TokenClasses, schema_bounds
 from engine.errors import EngineError, GrammarCompileTimeoutError, GrammarQueueFullError, InvalidRequestError
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
@@ -51,6 +52,7 @@ _PARAM = {"json_schema": "json_schema", "json_object": "response_format", "regex
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 _MAX_MESSAGE_CHARS = 1000
 _ANY_JSON_OBJECT = '{"type": "object"}'
+DEFAULT_JSON_BOUNDS = JsonBounds()
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +61,9 @@ class CompiledGrammar:
 
     `handle` is xgrammar's object; callers outside this package never need to touch it.
     `stop_token_ids` are the ids that end a completed grammar (the model's EOS ids).
+    `json_bounds` (json kinds, unless the backend turned them off): the caps each request's
+    `GrammarState` applies at run time, already raised to the bounds the schema states;
+    `token_classes`: the backend's vocabulary classes they use.
     """
 
     kind: str
@@ -67,6 +72,8 @@ class CompiledGrammar:
     stop_token_ids: tuple[int, ...]
     vocab_size: int
     memory_bytes: int
+    json_bounds: JsonBounds | None = None
+    token_classes: TokenClasses | None = None
 
 
 @dataclass(frozen=True)
@@ -98,8 +105,14 @@ class GrammarBackend:
     empty, the tokenizer's eos token is used.
 
     JSON whitespace: `any_whitespace=True` (xgrammar's and SGLang's default) lets the model
-    indent its JSON; small models can then loop on whitespace, which `max_whitespace_cnt`
-    (a bound per gap) or `any_whitespace=False` (compact JSON) prevents.
+    indent its JSON; small models can then loop on whitespace, which the JSON bounds' run-time
+    `max_whitespace` cap ends; xgrammar's own `max_whitespace_cnt` (a bound per gap, compiled
+    into the grammar) or `any_whitespace=False` (compact JSON) also prevent it.
+
+    JSON bounds (`json_bounds`, engine/constrained/json_bounds.py): where a JSON schema or
+    json_object mode leaves a string, a number, an array, whitespace or nesting open, each
+    request's mask is narrowed at run time once a cap is reached, so constrained JSON always
+    ends; bounds the schema states are never cut. `json_bounds=None`: xgrammar's unbounded JSON.
     """
 
     def __init__(
@@ -115,6 +128,7 @@ class GrammarBackend:
         max_whitespace_cnt: int | None = None,
         max_spec_depth: int = 128,
         max_pending: int = 64,
+        json_bounds: JsonBounds | None = DEFAULT_JSON_BOUNDS,
     ) -> None:
         threads = max_threads if max_threads is not None else _default_threads()
         if threads < 1 or vocab_size < 1 or cache_max_entries < 1:
@@ -128,6 +142,10 @@ class GrammarBackend:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
         self._any_whitespace = any_whitespace
         self._max_whitespace_cnt = max_whitespace_cnt
+        self.json_bounds = json_bounds
+        self._token_classes = (
+            TokenClasses(self.tokenizer_info.decoded_vocab, vocab_size) if json_bounds is not None else None
+        )
         self._max_spec_depth = max_spec_depth
         # Distinct specs compiling or queued at once (`compile_async`). A compile cannot be
         # interrupted, so without a bound a client sending many slow schemas would queue work
@@ -312,7 +330,7 @@ class GrammarBackend:
         try:
             if kind in ("json_schema", "json_object"):
                 # json_object is OpenAI's JSON mode: any object (not any JSON value), under the
-                # same whitespace policy as a schema.
+                # same whitespace policy and bounds as a schema.
                 handle = compiler.compile_json_schema(
                     spec if kind == "json_schema" else _ANY_JSON_OBJECT,
                     any_whitespace=self._any_whitespace,
@@ -325,7 +343,19 @@ class GrammarBackend:
                 handle = compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError, UnicodeError) as e:
             raise InvalidRequestError(f"invalid {kind}: {_clean_message(e)}", param=_PARAM[kind]) from None
-        return CompiledGrammar(kind, spec, handle, self.stop_token_ids, self.vocab_size, handle.memory_size_bytes)
+        bounds = None
+        if self.json_bounds is not None and kind in ("json_schema", "json_object"):
+            bounds = schema_bounds(self.json_bounds, kind, spec)
+        return CompiledGrammar(
+            kind,
+            spec,
+            handle,
+            self.stop_token_ids,
+            self.vocab_size,
+            handle.memory_size_bytes,
+            bounds,
+            self._token_classes if bounds is not None else None,
+        )
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -61,6 +61,8 @@ def fill_bitmasks(states: Sequence[GrammarState | None], bitmask: torch.Tensor, 
             live.append(state.matcher)
     if live:
         _batch_matcher(threads).batch_fill_next_token_bitmask(live, bitmask, live_rows)
+        for row in live_rows:
+            states[row].apply_bounds(bitmask, row)  # the JSON caps, after the grammar's mask
     return rows
 
 

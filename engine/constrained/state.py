@@ -9,6 +9,7 @@ import torch
 import xgrammar as xgr
 
 from engine.constrained.backend import CompiledGrammar
+from engine.constrained.json_bounds import JsonLexer
 
 
 class GrammarState:
@@ -23,9 +24,13 @@ class GrammarState:
     backend, plus the request's own `extra_stop_token_ids`, e.g. SamplingParams.stop_token_ids),
     and accepting one terminates it. Before completion the stop tokens are masked out, so a
     constrained request cannot stop in the middle of its JSON.
+
+    JSON bounds: for a JSON grammar with `compiled.json_bounds`, a lexer follows the accepted
+    text and `fill_bitmask` narrows the mask once a cap is reached (engine/constrained/
+    json_bounds.py), so open strings, numbers, arrays, whitespace and nesting end.
     """
 
-    __slots__ = ("_matcher", "compiled", "num_accepted", "stop_token_ids")
+    __slots__ = ("_history", "_lexer", "_matcher", "compiled", "num_accepted", "stop_token_ids")
 
     def __init__(self, compiled: CompiledGrammar, extra_stop_token_ids: Iterable[int] = ()) -> None:
         self.compiled = compiled
@@ -34,6 +39,11 @@ class GrammarState:
         override = list(self.stop_token_ids) if extra else None
         self._matcher = xgr.GrammarMatcher(compiled.handle, override_stop_tokens=override)
         self.num_accepted = 0
+        self._lexer: JsonLexer | None = None
+        if compiled.json_bounds is not None and compiled.token_classes is not None:
+            self._lexer = JsonLexer(compiled.json_bounds, compiled.token_classes)
+        # The lexer's state before each accepted token, for `rollback`.
+        self._history: list[tuple] = []
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
@@ -50,6 +60,9 @@ class GrammarState:
         if not self._matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
+        if self._lexer is not None:
+            self._history.append(self._lexer.snapshot())
+            self._lexer.feed(self._lexer.classes.vocab[token_id] if token_id < len(self._lexer.classes.vocab) else b"")
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -64,7 +77,15 @@ class GrammarState:
         if self._matcher.is_terminated():
             allow_only(bitmask, row, self.stop_token_ids)
             return True
-        return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+        restricts = bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+        return self.apply_bounds(bitmask, row) or restricts
+
+    def apply_bounds(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Narrow `bitmask[row]`, already filled by the grammar, by the JSON caps reached (a
+        threaded batch fill calls this after filling). Returns whether it narrowed the row."""
+        if self._lexer is None or self._matcher.is_terminated():
+            return False
+        return self._lexer.restrict(bitmask[row])
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the constrained output is complete and the request ends."""
@@ -84,6 +105,9 @@ class GrammarState:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            if self._lexer is not None:
+                self._lexer.restore(self._history[-num_tokens])
+                del self._history[-num_tokens:]
 
     def rebuild(self, output_ids: Sequence[int]) -> bool:
         """Reset to the grammar's start and accept `output_ids` again (a retracted or re-queued
@@ -91,6 +115,9 @@ class GrammarState:
         then holds the ids before it, `num_accepted` says how many."""
         self._matcher.reset()
         self.num_accepted = 0
+        if self._lexer is not None:
+            self._lexer = JsonLexer(self._lexer.bounds, self._lexer.classes)
+            self._history.clear()
         return all(self.accept_token(int(t)) for t in output_ids)
 
 

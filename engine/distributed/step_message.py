@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from engine.cache.memory_pool import TableWrite
-from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch, PromptLogprobPlan
 
 
 class TPStep(msgspec.Struct, tag="step", array_like=True):
@@ -27,6 +27,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
     extend_prefix_lens: list[int]
     mixed_decode_rows: int
     return_prompt_logits: bool
+    prompt_logprob_rows: list[int]  # rows rank 0 scores (engine/model_executor/prompt_logprobs.py)
     sampled: bool  # rank 0 samples and broadcasts the ids after this forward
     writes: list[TableWrite]
 
@@ -42,6 +43,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
             extend_prefix_lens=batch.extend_prefix_lens,
             mixed_decode_rows=batch.mixed_decode_rows,
             return_prompt_logits=batch.return_prompt_logits,
+            prompt_logprob_rows=batch.prompt_logprobs.rows if batch.prompt_logprobs is not None else [],
             sampled=sampled,
             writes=writes,
         )
@@ -63,6 +65,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
             extend_prefix_lens=self.extend_prefix_lens,
             mixed_decode_rows=self.mixed_decode_rows,
             return_prompt_logits=self.return_prompt_logits,
+            prompt_logprobs=(PromptLogprobPlan(self.prompt_logprob_rows, [], []) if self.prompt_logprob_rows else None),
         )
 
 

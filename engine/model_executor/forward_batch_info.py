@@ -50,6 +50,18 @@ class ForwardMode(enum.IntEnum):
 
 
 @dataclass
+class PromptLogprobPlan:
+    """Prompt log-probs one extend computes (engine/model_executor/prompt_logprobs.py): the flat
+    rows (new-token indices) whose logits score the next prompt token, that token per row, how
+    many rows each request of the batch has (in batch order), and the batch's top-N."""
+
+    rows: list[int]
+    targets: list[int]
+    counts: list[int]
+    top_n: int = 0
+
+
+@dataclass
 class ModelWorkerBatch:
     """What the model worker needs to run one forward and sample (no scheduler state)."""
 
@@ -64,7 +76,12 @@ class ModelWorkerBatch:
     extend_prefix_lens: list[int] = field(default_factory=list)  # cached tokens per request
     mixed_decode_rows: int = 0  # MIXED: the last rows decode; their input ids are last sampled ids
     sampling_info: SamplingBatchInfo | None = None
-    return_prompt_logits: bool = False  # logits at every new position (prompt logprobs, tests)
+    return_prompt_logits: bool = False  # logits at every new position (tests)
+    prompt_logprobs: PromptLogprobPlan | None = None  # extend rows whose prompt token is scored
+    # Embedding requests: the extend rows whose final hidden states are pooled, and how many
+    # rows each request of the batch has (batch order); empty when none
+    embed_rows: list[int] = field(default_factory=list)
+    embed_counts: list[int] = field(default_factory=list)
 
 
 class AttentionBackend(Protocol):
@@ -111,6 +128,14 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     return_prompt_logits: bool = False
+    # Prompt log-probs: the rows the model keeps (their final hidden states, pre-norm, land in
+    # `prompt_hidden` during the forward; the logits are computed from them slice by slice).
+    prompt_logprob_rows: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None
+    # Embeddings: the rows whose final hidden states (after the last norm, float32) the model
+    # leaves in `embed_hidden`
+    embed_rows: torch.Tensor | None = None
+    embed_hidden: torch.Tensor | None = None
 
     @classmethod
     def init_new(
@@ -162,4 +187,10 @@ class ForwardBatch:
             extend_seq_lens_cpu=batch.extend_seq_lens,
             extend_prefix_lens_cpu=batch.extend_prefix_lens,
             return_prompt_logits=batch.return_prompt_logits,
+            prompt_logprob_rows=(
+                None
+                if batch.prompt_logprobs is None
+                else torch.tensor(batch.prompt_logprobs.rows, dtype=torch.int64, device=device)
+            ),
+            embed_rows=torch.tensor(batch.embed_rows, dtype=torch.int64, device=device) if batch.embed_rows else None,
         )

@@ -40,8 +40,9 @@ from engine.model_executor.cuda_graph_runner import (
     graph_memory_estimate,
     resolve_cuda_graph_max_bs,
 )
-from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch, PromptLogprobPlan
 from engine.model_executor.host_transfer import DeviceToHost
+from engine.model_executor.prompt_logprobs import PromptLogprobsOut, score_prompt
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
@@ -82,6 +83,10 @@ class GenerationBatchResult:
     next_token_ids: torch.Tensor  # [B] int64, on the model's device
     sampler_output: SamplerOutput
     logits: torch.Tensor | None = None  # only when prompt logits were requested
+    prompt_logprobs: PromptLogprobsOut | None = None  # the batch's PromptLogprobPlan, scored
+    # Embedding requests: the final hidden states of the batch's embed_rows ([R, hidden] float32,
+    # after the last norm) and the rows per request (the batch's embed_counts)
+    embed_hidden: tuple[torch.Tensor, list[int]] | None = None
     # CUDA: next_token_ids on their way to pinned host memory (non-blocking copy + event).
     next_token_ids_host: DeviceToHost | None = None
     # TARGET_VERIFY: drafts accepted per request; next_token_ids is then each one's next token
@@ -140,7 +145,8 @@ class ModelRunner:
         if not args.disable_fused_decode and self.attn_backend_name == "cpu":
             self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache)
             if self.model.fused_decode is not None:
-                log.info("fused C++ decode layers for <= %d tokens", self.model.fused_decode.max_rows)
+                rows = self.model.fused_decode.max_rows  # None: every projection is dense, no row bound
+                log.info("fused C++ decode layers for %s", "any row count" if rows is None else f"<= {rows} tokens")
         self.sampler = Sampler()
         # CPU, default threads: a forward of a few tokens leaves one core to the event loop
         # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
@@ -309,6 +315,10 @@ class ModelRunner:
         fb = self.init_forward_batch(step.worker_batch())
         self.attn_backend.init_forward_metadata(fb)
         self.model(fb)
+        if step.prompt_logprob_rows:  # rank 0 scores these: the LM head's gathers need every rank
+            plan = PromptLogprobPlan(step.prompt_logprob_rows, [0] * len(step.prompt_logprob_rows), [])
+            assert fb.prompt_hidden is not None
+            score_prompt(self.model, fb.prompt_hidden, plan)
         if step.sampled:  # rank 0's sampled ids: an overlapped decode reads its inputs from them
             ids = self.tp.broadcast_ids(torch.empty(fb.batch_size, dtype=torch.int64, device=self.device))
             self.last_token_ids[fb.req_pool_indices] = ids
@@ -318,6 +328,10 @@ class ModelRunner:
         if self.step_threads is not None:
             self.step_threads.before(len(batch.out_cache_loc))
         logits, shared, fb = self._run_forward(batch, sampled=True)
+        prompt_lps = None
+        if batch.prompt_logprobs is not None:  # before the ids' broadcast: the worker ranks' order
+            assert fb.prompt_hidden is not None
+            prompt_lps = score_prompt(self.model, fb.prompt_hidden, batch.prompt_logprobs)
         verify = batch.forward_mode.is_verify()
         last_logits = logits
         if (
@@ -341,7 +355,15 @@ class ModelRunner:
         kept = None
         if batch.return_prompt_logits:
             kept = _owned_float(logits, shared)
-        return GenerationBatchResult(next_ids, out, kept, DeviceToHost.start(next_ids), accept_lens=accepted)
+        return GenerationBatchResult(
+            next_ids,
+            out,
+            kept,
+            prompt_lps,
+            (fb.embed_hidden, batch.embed_counts) if fb.embed_hidden is not None else None,
+            DeviceToHost.start(next_ids),
+            accept_lens=accepted,
+        )
 
 
 def _owned_float(logits: torch.Tensor, shared: bool) -> torch.Tensor:

@@ -193,10 +193,19 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, fb)
+        if fb.prompt_logprob_rows is not None:  # scored by the runner, a slice at a time
+            fb.prompt_hidden = x.index_select(0, fb.prompt_logprob_rows)
+        if fb.embed_rows is not None:  # pooled by the scheduler into embeddings
+            fb.embed_hidden = self.norm(x.index_select(0, fb.embed_rows)).float()
         if fb.forward_mode.is_prefill() and not fb.return_prompt_logits:  # verify keeps every row
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             x = x[fb.extend_start_loc + fb.extend_seq_lens - 1]
-        return self.tp.gather_vocab(self.lm_head(self.norm(x)), self.cfg.vocab_size)
+        return self.compute_logits(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of final hidden states (pre-norm), as `forward` returns them. Under tensor
+        parallelism a collective: every rank calls it with the same rows."""
+        return self.tp.gather_vocab(self.lm_head(self.norm(hidden)), self.cfg.vocab_size)
 
     @property
     def fused(self) -> bool:

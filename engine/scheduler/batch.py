@@ -23,7 +23,8 @@ import torch
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.constrained import CompiledGrammar, GrammarState, allocate_bitmask, fill_bitmasks
-from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+from engine.errors import InvalidRequestError
+from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch, PromptLogprobPlan
 from engine.sampling import LogitBias, SamplingBatchInfo, SamplingParams
 
 
@@ -40,6 +41,30 @@ class Finished:
     message: str | None = None  # why, for aborts
 
 
+@dataclass(slots=True)
+class InputLogprobs:
+    """A request's prompt log-probs, gathered over its prefill chunks (the scored positions
+    after `logprob_start_len`, in order; top-N pairs only when it asked for them)."""
+
+    values: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def resolve_logprob_start_len(start: int, prompt_len: int, return_logprob: bool) -> int:
+    """The first prompt position whose log-prob is reported, or -1 for none. SGLang's rule: -1
+    (the default) with return_logprob means the last prompt position only; a position past the
+    prompt is an error."""
+    if start < -1:
+        raise InvalidRequestError(f"logprob_start_len must be >= -1, got {start}", "logprob_start_len")
+    if not return_logprob:
+        return -1
+    if start >= prompt_len:
+        raise InvalidRequestError(
+            f"logprob_start_len ({start}) must be less than the prompt's {prompt_len} tokens", "logprob_start_len"
+        )
+    return prompt_len - 1 if start == -1 else start
+
+
 class Req:
     """One request's mutable state, owned by the scheduler side."""
 
@@ -51,14 +76,18 @@ class Req:
         "fill_ids",
         "finished_reason",
         "grammar",
+        "input_logprobs",
         "is_chunked",
         "kv_committed_len",
         "kv_computed_len",
         "last_node",
         "logit_bias",
+        "logprob_start_len",
         "max_context_len",
         "origin_input_ids",
         "output_ids",
+        "pooled",
+        "pooling",
         "prefix_indices",
         "queue_time",
         "queued_at",
@@ -84,6 +113,8 @@ class Req:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         grammar: CompiledGrammar | None = None,
+        logprob_start_len: int = -1,
+        pooling: str | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -103,6 +134,15 @@ class Req:
         self.max_context_len = max_context_len
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        # Prompt log-probs (SGLang's `logprob_start_len`): -1 none, else the first prompt position
+        # reported; positions after it are scored in the prefill forward(s) and gathered here,
+        # chunk by chunk, until the first output token carries them out (then None again).
+        self.logprob_start_len = logprob_start_len
+        self.input_logprobs: InputLogprobs | None = InputLogprobs() if logprob_start_len >= 0 else None
+        # An embedding request (max_new_tokens 0): its pooling method, and the sum of the pooled
+        # rows' final hidden states and their count, gathered over its prefill chunks
+        self.pooling = pooling
+        self.pooled: tuple[torch.Tensor, int] | None = None
         self.last_node: Any = None  # radix tree node holding this request's cached prefix
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first round)
         self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
@@ -151,9 +191,38 @@ class Req:
         if self.grammar is not None and self.grammar.num_accepted != len(self.output_ids):
             self.grammar.rebuild(self.output_ids)  # never expected; cheap insurance on a re-prefill
         if tree_cache is not None:
-            # Keep at least one token to compute: its logits produce the next token.
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:-1])
+            # Keep at least one token to compute: its logits produce the next token. Prompt
+            # log-probs need the logits from `logprob_start_len` on, which a cached prefix does
+            # not have: the match stops there and only that span is recomputed (SGLang's rule).
+            limit = len(self.fill_ids) - 1
+            if self.input_logprobs is not None:
+                limit = min(limit, self.logprob_start_len)
+            if self.pooling in ("mean", "cls"):  # pooled over rows a cached prefix has no states for
+                limit = 0
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit])
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def input_logprob_rows(self, prefix_len: int, extend_len: int) -> tuple[int, int]:
+        """(first, count): which of this forward's new positions [prefix_len, prefix_len +
+        extend_len) score a prompt token: position q predicts prompt token q + 1, for q from
+        `logprob_start_len` to the prompt's second-to-last position. `first` is relative to the
+        request's first new token."""
+        if self.input_logprobs is None:
+            return 0, 0
+        lo = max(self.logprob_start_len, prefix_len)
+        hi = min(len(self.origin_input_ids) - 1, prefix_len + extend_len)
+        return lo - prefix_len, max(hi - lo, 0)
+
+    def embed_rows(self, prefix_len: int, extend_len: int) -> tuple[int, int]:
+        """(first, count): which of this forward's new positions an embedding request pools
+        (relative to its first new token): every prompt position (mean), the first (cls) or the
+        last (last)."""
+        end = prefix_len + extend_len
+        prompt_len = len(self.origin_input_ids)
+        if self.pooling == "mean":
+            return 0, max(min(prompt_len, end) - prefix_len, 0)
+        q = {"cls": 0, "last": prompt_len - 1}.get(self.pooling or "", -1)
+        return (q - prefix_len, 1) if prefix_len <= q < end else (0, 0)
 
     def check_finished(self) -> None:
         """Token-level finish checks (stop strings are the output processor's job)."""
@@ -422,6 +491,8 @@ class ScheduleBatch:
             if rows:
                 sampling_info.vocab_mask, sampling_info.vocab_mask_rows = mask, rows
             sampling_info.mask_fill_s = time.perf_counter() - t0
+        prompt_lp = self._input_logprob_plan() if self.forward_mode.is_prefill() else None
+        embed_rows, embed_counts = self._embed_plan() if self.forward_mode.is_prefill() else ([], [])
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -434,4 +505,46 @@ class ScheduleBatch:
             mixed_decode_rows=self.mixed_decode_rows,
             sampling_info=sampling_info,
             return_prompt_logits=return_prompt_logits,
+            prompt_logprobs=prompt_lp,
+            embed_rows=embed_rows,
+            embed_counts=embed_counts,
         )
+
+    def _embed_plan(self) -> tuple[list[int], list[int]]:
+        """The flat rows of this extend that embedding requests pool, and each request's count
+        (batch order); empty lists when no request is an embedding."""
+        if not any(r.pooling is not None for r in self.reqs):
+            return [], []
+        rows: list[int] = []
+        counts: list[int] = []
+        start = 0
+        for req, prefix, ext in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            first, n = req.embed_rows(prefix, ext)
+            rows.extend(range(start + first, start + first + n))
+            counts.append(n)
+            start += ext
+        return rows, counts
+
+    def _input_logprob_plan(self) -> PromptLogprobPlan | None:
+        """The rows of this extend whose logits score a prompt token, for the requests that asked
+        for prompt log-probs (None when none did): flat row indices, the token each scores, and
+        how many rows each request has, in batch order."""
+        if not any(r.input_logprobs is not None for r in self.reqs):
+            return None
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        top_n = 0
+        start = 0
+        for req, prefix, ext in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            first, n = req.input_logprob_rows(prefix, ext)
+            if n:
+                rows.extend(range(start + first, start + first + n))
+                q = prefix + first + 1  # the prompt position the first row predicts
+                targets.extend(req.origin_input_ids[q : q + n])
+                top_n = max(top_n, req.top_logprobs_num)
+            counts.append(n)
+            start += ext
+        if not rows:
+            return None
+        return PromptLogprobPlan(rows, targets, counts, top_n)

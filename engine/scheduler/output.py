@@ -6,18 +6,36 @@ Built by the scheduler (a forward's sampled tokens, requests it ended) and by th
 
 from __future__ import annotations
 
-import msgspec
+import itertools
 
+import msgspec
+import torch
+
+from engine.api import PromptLogprobs
+from engine.model_executor.prompt_logprobs import PromptLogprobsOut
 from engine.sampling import SamplerOutput
 from engine.scheduler.batch import Finished, Req
+
+
+def take_prompt_logprobs(req: Req) -> PromptLogprobs | None:
+    """`req`'s gathered prompt log-probs, once (the request holds them no more); None if it asked
+    for none or they went out already."""
+    got = req.input_logprobs
+    if got is None:
+        return None
+    req.input_logprobs = None
+    ids = req.origin_input_ids[req.logprob_start_len :]
+    top = [None, *got.top] if req.top_logprobs_num else None
+    return PromptLogprobs(ids, [None, *got.values], top)
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
     """One step's results for the requests that produced (or ended with) a token.
 
-    Per request: the new token id (-1 when a request ended without one, e.g. an abort), the
-    finish reason ('stop' | 'length' | 'abort' | None), matched stop token, error message,
-    prompt length, cached tokens, queue time, and optional logprobs.
+    Per request: the new token id (-1 when a request ended without one, e.g. an abort or a
+    scoring / embedding request, which generates nothing), the finish reason ('stop' | 'length' |
+    'abort' | None), matched stop token, error message, prompt length, cached tokens, queue time,
+    optional logprobs, and a request's prompt log-probs or embedding once its prompt is done.
     """
 
     rids: list[str] = []
@@ -32,9 +50,19 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     top_logprobs: list[list[tuple[int, float]] | None] = []
     # (verify forwards with drafts, drafts verified, drafts accepted) of a request that speculated
     spec: list[tuple[int, int, int] | None] = []
+    # Prompt log-probs, on a request's first entry only (None elsewhere)
+    input_logprobs: list[PromptLogprobs | None] = []
+    # An embedding request's pooled, L2-normalised embedding (None for everyone else)
+    embeddings: list[list[float] | None] = []
 
     def add(
-        self, req: Req, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+        self,
+        req: Req,
+        token_id: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+        prompt: PromptLogprobs | None = None,
+        embedding: list[float] | None = None,
     ) -> None:
         """Append `req`'s entry: its new token (-1: none) and, if it ended, how."""
         fin: Finished | None = req.finished_reason
@@ -50,6 +78,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.top_logprobs.append(top)
         s = req.spec
         self.spec.append((s.verify_ct, s.draft_tokens, s.accepted_tokens) if s is not None else None)
+        self.input_logprobs.append(prompt)
+        self.embeddings.append(embedding)
 
     def add_aborted(self, rid: str, message: str) -> None:
         """End request `rid` with an error when no `Req` is at hand (its handling failed)."""
@@ -64,6 +94,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.logprobs.append(None)
         self.top_logprobs.append(None)
         self.spec.append(None)
+        self.input_logprobs.append(None)
+        self.embeddings.append(None)
 
     @classmethod
     def finished(cls, reqs: list[Req]) -> BatchTokenOut:
@@ -72,6 +104,56 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         for req in reqs:
             out.add(req, -1)
         return out
+
+
+class StepPromptLogprobs:
+    """One extend's prompt log-probs on the host (read once), handed to each request's gather."""
+
+    def __init__(self, out: PromptLogprobsOut) -> None:
+        self.counts = out.counts
+        self.values = out.values.tolist()
+        self.top_idx = out.top_idx.tolist() if out.top_idx is not None else None
+        self.top_val = out.top_val.tolist() if out.top_val is not None else None
+        self.starts = list(itertools.accumulate(self.counts, initial=0))
+
+    def gather(self, i: int, req: Req) -> None:
+        """Append row block `i` (request `req`'s rows of this forward) to what it gathered."""
+        if i >= len(self.counts) or not self.counts[i] or req.input_logprobs is None:
+            return
+        lo, hi = self.starts[i], self.starts[i + 1]
+        req.input_logprobs.values.extend(self.values[lo:hi])
+        if req.top_logprobs_num and self.top_idx is not None and self.top_val is not None:
+            n = req.top_logprobs_num
+            req.input_logprobs.top.extend(
+                list(zip(idx[:n], val[:n])) for idx, val in zip(self.top_idx[lo:hi], self.top_val[lo:hi])
+            )
+
+
+class StepEmbeddings:
+    """One extend's pooled rows on the host (read once), summed into each embedding request."""
+
+    def __init__(self, hidden: torch.Tensor, counts: list[int]) -> None:
+        self.hidden = hidden.cpu()
+        self.counts = counts
+        self.starts = list(itertools.accumulate(counts, initial=0))
+
+    def gather(self, i: int, req: Req) -> None:
+        """Add request `req`'s rows of this forward (row block `i`) to its running sum."""
+        if i >= len(self.counts) or not self.counts[i] or req.pooling is None:
+            return
+        rows = self.hidden[self.starts[i] : self.starts[i + 1]]
+        total, n = req.pooled if req.pooled is not None else (torch.zeros(rows.shape[1]), 0)
+        req.pooled = (total + rows.sum(0), n + rows.shape[0])
+
+
+def take_embedding(req: Req) -> list[float] | None:
+    """`req`'s embedding once its prompt is done: the mean of its pooled rows (one row for last /
+    cls pooling), L2-normalised."""
+    if req.pooling is None or req.pooled is None:
+        return None
+    total, n = req.pooled
+    req.pooled = None
+    return torch.nn.functional.normalize(total / n, dim=0).tolist()
 
 
 class StepLogprobs:

@@ -36,9 +36,16 @@ from engine.cache.radix_cache import RadixCache
 from engine.constrained import CompiledGrammar
 from engine.host_memory import trim_host_memory
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
-from engine.scheduler.batch import Finished, FinishReason, Req, ScheduleBatch
+from engine.scheduler.batch import Finished, FinishReason, InputLogprobs, Req, ScheduleBatch
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
-from engine.scheduler.output import BatchTokenOut, StepLogprobs
+from engine.scheduler.output import (
+    BatchTokenOut,
+    StepEmbeddings,
+    StepLogprobs,
+    StepPromptLogprobs,
+    take_embedding,
+    take_prompt_logprobs,
+)
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
 from engine.scheduler.retraction import (
     INIT_NEW_TOKEN_RATIO,
@@ -103,6 +110,8 @@ class Scheduler:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         grammar: CompiledGrammar | None = None,
+        logprob_start_len: int = -1,
+        pooling: str | None = None,
     ) -> Req:
         """A `Req` for this model (its EOS ids and context length), under `grammar` if given."""
         cfg = self.runner.model_config
@@ -116,6 +125,8 @@ class Scheduler:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             grammar=grammar,
+            logprob_start_len=logprob_start_len,
+            pooling=pooling,
         )
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -328,6 +339,9 @@ class Scheduler:
         victim.kv_committed_len = victim.kv_computed_len = 0
         victim.is_chunked = 0
         victim.epoch += 1
+        if victim.input_logprobs is not None:  # not sent yet: the re-prefill scores it all again
+            victim.input_logprobs = InputLogprobs()
+        victim.pooled = None
         self._requeue.append(victim)
         return victim
 
@@ -370,13 +384,25 @@ class Scheduler:
             self.generated_tokens += len(msg.rids)
             return msg
         ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
+        prompt_lps = StepPromptLogprobs(result.prompt_logprobs) if result.prompt_logprobs is not None else None
+        pooled = StepEmbeddings(*result.embed_hidden) if result.embed_hidden is not None else None
         msg = BatchTokenOut()
         for i, req in enumerate(lb.reqs):
             if req.finished() or lb.epochs[i] != req.epoch:
                 continue  # finished/aborted/retracted after this batch was launched
             req.kv_computed_len = max(req.kv_computed_len, lb.kv_lens[i])  # its KV is written now
+            if prompt_lps is not None:
+                prompt_lps.gather(i, req)
+            if pooled is not None:
+                pooled.gather(i, req)
             if lb.mid_chunk[i]:
                 continue  # a middle chunk: its sampled token means nothing
+            prompt = take_prompt_logprobs(req) if i < lb.num_extend else None
+            if req.sampling_params.max_new_tokens == 0:  # scoring or embedding: the prompt was the point
+                req.finished_reason = Finished(FinishReason.LENGTH)
+                msg.add(req, -1, prompt=prompt, embedding=take_embedding(req))
+                self._finish(req)
+                continue
             tok = ids[i]
             req.accept_token(tok)  # appends, advances its grammar, checks finish
             self.generated_tokens += 1
@@ -385,7 +411,7 @@ class Scheduler:
                 # Make the just-computed prompt shareable while the request decodes (SGLang does
                 # the same); the request is re-pointed at the tree's slots.
                 self.tree_cache.cache_unfinished_req(req)
-            msg.add(req, tok, lp, top)
+            msg.add(req, tok, lp, top, prompt)
             if req.finished():
                 self._finish(req)
         return msg

@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable
 
+import msgspec
 import torch
 
 from engine.api import StepRecord
@@ -27,7 +28,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError, Reque
 from engine.model_executor.forward_batch_info import ModelWorkerBatch
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req
+from engine.scheduler.batch import Req, resolve_logprob_start_len
 from engine.scheduler.launched import LaunchedBatch
 from engine.scheduler.output import BatchTokenOut
 from engine.scheduler.scheduler import Scheduler
@@ -90,8 +91,11 @@ class SyncScheduler:
         seed: int | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        pooling: str | None = None,
     ) -> Req:
-        """Validate and queue one request (typed errors on bad input, as `Engine` raises them)."""
+        """Validate and queue one request (typed errors on bad input, as `Engine` raises them).
+        `pooling` makes it an embedding request (a prefill only, `max_new_tokens` 0)."""
         params.verify(self.runner.model_config.vocab_size)
         if not input_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -108,8 +112,20 @@ class SyncScheduler:
         seed = seed if seed is not None else params.seed if params.seed is not None else random.getrandbits(63)
         spec = params.grammar_spec()
         grammar = self.grammar_backend.compile(*spec) if spec is not None else None  # blocking: no loop here
+        return_logprob = return_logprob or top_logprobs_num > 0
+        start = resolve_logprob_start_len(logprob_start_len, len(input_ids), return_logprob)
+        if pooling is not None:
+            params = msgspec.structs.replace(params, max_new_tokens=0, min_new_tokens=0)
         req = self.scheduler.new_req(
-            rid or f"req-{next(_rids)}", input_ids, params, seed, return_logprob, top_logprobs_num, grammar
+            rid or f"req-{next(_rids)}",
+            input_ids,
+            params,
+            seed,
+            return_logprob,
+            top_logprobs_num,
+            grammar,
+            start,
+            pooling,
         )
         self.add(req)
         return req

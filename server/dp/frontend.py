@@ -9,8 +9,9 @@ replicas, so both speak the same API and route the same way, plus what only a co
   the same key (their command line keeps it).
 - GET /get_server_info: the router's aggregate plus `dp`: one entry per replica (index, url, pid,
   healthy, restarts, its resources).
-- GET /metrics: only with --enable-metrics, as a single server (then the replicas have theirs
+- GET /metrics: on unless --disable-metrics, as a single server (the flag reaches the replicas
   too): the router's metrics and every replica's, labelled by `dp_rank` (`server/dp/metrics.py`).
+- GET /get_load: every replica's load entry, its `dp_rank` the replica's index (the router's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def router_config(config: ServerConfig, urls: Sequence[str]) -> RouterConfig:
         worker_urls=list(urls),
         policy=config.load_balance_method,
         api_key=config.api_key,
-        enable_metrics=False,  # the front end serves its own /metrics, and only when enabled
+        enable_metrics=False,  # the front end serves its own /metrics (the merged one), unless disabled
     )
 
 

@@ -1,4 +1,4 @@
-"""GET /metrics of the --dp-size front end (only with --enable-metrics, as a single server).
+"""GET /metrics of the --dp-size front end (on unless --disable-metrics, as a single server).
 
 One scrape target for the whole deployment: the router's own `sgl_router_*` metrics, then every
 replica's `sglang:*` metrics with a `dp_rank` label added, merged family by family (the text

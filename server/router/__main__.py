@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0)
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'; forwarded to workers")
     p.add_argument("--log-level", default="info")
+    # GET /metrics is on by default (as vLLM's); --enable-metrics is SGLang's spelling, a no-op here.
+    p.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang; metrics are on by default")
+    p.add_argument("--disable-metrics", action="store_true", help="do not serve GET /metrics")
     args = p.parse_args(argv)
     if args.health_check_interval <= 0:
         p.error("--health-check-interval must be positive")
@@ -55,6 +58,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout,
         api_key=args.api_key,
+        enable_metrics=not args.disable_metrics,
     )
 
 

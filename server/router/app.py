@@ -31,6 +31,7 @@ from server.router.ws_relay import ws_handler
 log = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
 _OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
 _FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _DONE = b"data: [DONE]"
@@ -194,7 +195,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def first_healthy(request: web.Request) -> web.Response:
     """GET the same path from the first healthy worker that answers (/v1/models, /get_model_info,
-    /health_generate: every replica serves the same model, and one that generates is enough)."""
+    /tokenizer_info, /version, /health_generate: every replica serves the same model, and one
+    that generates is enough)."""
     router = request.app[ROUTER]
     assert router.session is not None
     for worker in [w for w in router.workers if w.healthy]:
@@ -282,6 +284,29 @@ async def broadcast(request: web.Request) -> web.Response:
     return web.json_response({"success": ok, "workers": results}, status=200 if ok else 502)
 
 
+async def _worker_load(router: Router, worker: Worker, headers: dict[str, str]) -> list[Any]:
+    assert router.session is not None
+    if not worker.healthy:
+        return []
+    try:
+        async with router.session.get(worker.url + "/get_load", headers=headers, timeout=_INFO_TIMEOUT) as r:
+            body = await r.json() if r.status == 200 else []
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return []
+    return [e for e in body if isinstance(e, dict)] if isinstance(body, list) else []
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's GET /get_load over the workers: each one's entries, `dp_rank` renumbered to the
+    worker's index (each engine calls itself rank 0); a worker that is down or does not answer
+    is left out, so a balancer reading this sees only ranks it can route to."""
+    router = request.app[ROUTER]
+    headers = _forward_headers(request, router)
+    loads = await asyncio.gather(*(_worker_load(router, w, headers) for w in router.workers))
+    out = [{**entry, "dp_rank": index} for index, entries in enumerate(loads) for entry in entries]
+    return web.json_response(out)
+
+
 async def metrics(request: web.Request) -> web.Response:
     return request.app[ROUTER].metrics.render()
 
@@ -303,8 +328,11 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
         app.router.add_post(path, proxy)
     app.router.add_get("/health", health)
     app.router.add_get("/ws", ws_handler)
-    for path in ("/v1/models", "/get_model_info", "/model_info", "/health_generate"):
+    for path in ("/v1/models", "/get_model_info", "/model_info", "/health_generate", "/tokenizer_info", "/version"):
         app.router.add_get(path, first_healthy)
+    for path in TOKENIZER_ROUTES:  # any worker tokenizes alike; proxied for its retry on a failed worker
+        app.router.add_post(path, proxy)
+    app.router.add_get("/get_load", get_load)
     app.router.add_get("/get_server_info", server_info)
     for path in ("/flush_cache", "/abort_request"):
         app.router.add_post(path, broadcast)
@@ -313,4 +341,4 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
     return app
 
 
-__all__ = ["GENERATION_ROUTES", "WORKER_HEADER", "aggregate", "build_router_app", "proxy"]
+__all__ = ["GENERATION_ROUTES", "TOKENIZER_ROUTES", "WORKER_HEADER", "aggregate", "build_router_app", "proxy"]
