@@ -111,6 +111,9 @@ class Engine:
             self._loop_threads = torch.get_num_threads()
             torch.set_num_threads(1)
         self._forward_threads = await self._stream.launch(torch.get_num_threads)
+        log.info(
+            "torch threads: %d for the forward, %d for the event loop", self._forward_threads, torch.get_num_threads()
+        )
         sched = Scheduler(runner, args)
         scheduler = OverlapScheduler(
             sched, self._stream, args.resolved_enable_overlap(), args.resolved_watchdog_timeout()

@@ -185,3 +185,12 @@ async def test_async_logprobs(aclient, expected):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+
+
+def test_start_logs_each_choice_and_no_traceback(server):
+    """A start logs one line per choice it made at load, and never a traceback (one used to come
+    from formatting the fused decode's row bound when it had none)."""
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "--- Logging error ---" not in log
+    for line in ("torch threads:", "attention backend:", "KV pool:"):  # fp32: no int4 or fused-decode lines
+        assert line in log, line
