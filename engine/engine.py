@@ -13,7 +13,6 @@ The data types it takes and returns are in engine/api.py.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -21,11 +20,8 @@ from typing import Any
 import torch
 import uvloop
 
-from engine.actors.dispatcher import Dispatcher, routing_table
-from engine.actors.messages import FlushCacheReq, GetInternalStateReq, SetInternalStateReq
-from engine.actors.output_processor import OutputProcessor
 from engine.actors.overlap_scheduler import OverlapScheduler
-from engine.actors.prefill_adder import PrefillAdderActor
+from engine.actors.pipeline import build_pipeline
 from engine.actors.receiver import Receiver
 from engine.actors.supervisor import ActorSystem
 from engine.api import (
@@ -42,13 +38,12 @@ from engine.constrained import GrammarBackend, JsonBounds
 from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
 from engine.distributed.driver import TPDriver
-from engine.errors import EngineError, EngineUnhealthyError, InvalidRequestError
+from engine.errors import EngineError, EngineUnhealthyError
 from engine.model_executor.model_runner import ModelRunner
+from engine.operations import EngineOperations
 from engine.profiler import EngineProfiler
 from engine.recorder.ring import FlightRecorder, make_header
 from engine.sampling import SamplingParams
-from engine.scheduler.internal_state import check_internal_state
-from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -57,7 +52,7 @@ STREAM_CLOSE_TIMEOUT_S = 10.0
 ENGINE_STOPPED = "engine stopped"  # the error of the abort delta that ends streams left open by stop()
 
 
-class Engine:
+class Engine(EngineOperations):
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
         self.args = ServerArgs(model_path=model, **options)
         self._runner: ModelRunner | None = None
@@ -101,8 +96,6 @@ class Engine:
                 self._stream = None
                 raise
         runner = self._runner
-        cfg = runner.model_config
-        pool_tokens = runner.token_to_kv_pool_allocator.size
         if on_cpu and self._loop_threads is None:
             # The forward runs on the stream's thread; this (event-loop) thread only does small
             # host-side bookkeeping. With torch's default here, those small ops would start a
@@ -114,39 +107,17 @@ class Engine:
         log.info(
             "torch threads: %d for the forward, %d for the event loop", self._forward_threads, torch.get_num_threads()
         )
-        sched = Scheduler(runner, args)
-        scheduler = OverlapScheduler(
-            sched, self._stream, args.resolved_enable_overlap(), args.resolved_watchdog_timeout()
-        )
-        adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
-        dispatcher = Dispatcher(routing_table(adder, scheduler))
-        output = OutputProcessor(self._tokenizer)
-        receiver = Receiver(
-            self._tokenizer,
-            cfg.vocab_size,
-            runner.context_len,
-            pool_tokens,
-            self._grammar_backend,
-            args.grammar_compile_timeout,
-            args.pooling_method,
-            args.is_embedding,
-        )
-        # Wiring: each actor holds references only to the mailboxes it sends to.
-        receiver.dispatcher, receiver.output = dispatcher, output
-        output.receiver, output.dispatcher = receiver, dispatcher
-        adder.scheduler, adder.output = scheduler, output
-        scheduler.adder, scheduler.output, scheduler.replies = adder, output, receiver
+        pipeline = build_pipeline(runner, args, self._stream, self._tokenizer, self._grammar_backend)
         self._died = asyncio.Event()
         self._system = ActorSystem(on_crash=self._on_crash)
-        for actor in (receiver, dispatcher, adder, output, scheduler):
+        for actor in pipeline.actors:
             self._system.add(actor)
-        self._receiver, self._scheduler = receiver, scheduler
+        scheduler = pipeline.scheduler
+        self._receiver, self._scheduler = pipeline.receiver, scheduler
         if args.flight_recorder_size > 0:
             header = make_header(args, runner, scheduler.enable_overlap, self._forward_threads)
-            recorder = FlightRecorder(args.flight_recorder_size, header, args.resolved_flight_recorder_dir())
-            for actor in (receiver, dispatcher, adder, output, scheduler):
-                actor.recv_listener = recorder.recv
-            scheduler.recorder = adder.recorder = self._recorder = recorder
+            self._recorder = FlightRecorder(args.flight_recorder_size, header, args.resolved_flight_recorder_dir())
+            pipeline.attach_recorder(self._recorder)
         self._profiler = EngineProfiler(self._stream, lambda: scheduler.num_forwards, args.profile_dir)
         scheduler.on_forward = self._profiler.note_forward
         self._system.start_all()
@@ -413,72 +384,6 @@ class Engine:
             async with asyncio.timeout(30):
                 while rid in receiver.streams:
                     await asyncio.sleep(0.001)
-
-    async def start_profile(
-        self, output_dir: str | None = None, num_steps: int | None = None, activities: list[str] | None = None
-    ) -> str:
-        """Start torch.profiler around the forwards (SGLang's /start_profile); returns the path the
-        trace will be written to (`output_dir`, default `profile_dir`). With `num_steps` it stops
-        by itself after that many forwards; else `stop_profile()` stops it. `activities`: "CPU",
-        "GPU" (default both, GPU only where there is one)."""
-        self._check()
-        return str(await self._profiler.start(output_dir, num_steps, activities))
-
-    async def stop_profile(self) -> str:
-        """Stop the running profile and write its Chrome-trace JSON; returns its path."""
-        self._check()
-        return str(await self._profiler.stop())
-
-    @property
-    def last_profile(self) -> str | None:
-        """The latest trace written, by `stop_profile` or after `num_steps` forwards."""
-        trace = self._profiler.last_trace if self._profiler is not None else None
-        return str(trace) if trace is not None else None
-
-    def dump_flight_recorder(self, reason: str = "requested", directory: str | None = None) -> str:
-        """Write the flight recorder's events to a file (in `flight_recorder_dir`, or `directory`)
-        and return its path; `python -m engine.replay PATH` replays it. Works on a dead engine too."""
-        if self._recorder is None:
-            raise InvalidRequestError("the flight recorder is off (flight_recorder_size=0)", "flight_recorder_size")
-        return str(self._recorder.dump(reason, directory))
-
-    async def flush_cache(self) -> bool:
-        reply = await self._check().control(FlushCacheReq)
-        return reply.ok
-
-    async def get_internal_state(self, detail: bool = False) -> dict[str, Any]:
-        """The scheduler's counters and the engine's health; `detail` adds the radix summary
-        (`radix_top`), per-request timelines and the scheduler's clock (the dashboard's data)."""
-        reply = await self._check().control(lambda reply_id: GetInternalStateReq(reply_id, detail))
-        state = dict(reply.payload)
-        stats = self._system.stats() if self._system else []
-        state["healthy"] = self.healthy
-        state["actors"] = [s.name + ":" + s.state for s in stats]
-        state["message_errors"] = sum(s.message_errors for s in stats)  # handled, contained failures
-        state["torch_threads"] = {"event_loop": torch.get_num_threads(), "forward": self._forward_threads}
-        # Each tensor-parallel rank's placement, weight bytes and KV pool (one entry at tp size 1).
-        state["tensor_parallel"] = self._loaded().tp_ranks
-        if (rec := self._recorder) is not None:
-            last = str(rec.last_dump) if rec.last_dump is not None else None
-            state["flight_recorder"] = {
-                "size": rec.size,
-                "recorded": rec.recorded,
-                "dropped": rec.dropped,
-                "last_dump": last,
-            }
-        if self._grammar_backend is not None:
-            state["grammar_cache"] = dataclasses.asdict(self._grammar_backend.cache_info())
-        return state
-
-    async def set_internal_state(self, **state: Any) -> dict[str, Any]:
-        """Change scheduler knobs at run time (`max_running_requests`, `new_token_ratio`); a bad
-        name or value is an InvalidRequestError naming it, and changes nothing."""
-        receiver = self._check()
-        check_internal_state(state)
-        reply = await receiver.control(lambda reply_id: SetInternalStateReq(reply_id, state))
-        if not reply.ok:
-            raise InvalidRequestError(reply.error or "cannot set internal state", "state")
-        return dict(reply.payload)
 
     def generate_batch(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None

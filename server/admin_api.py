@@ -15,7 +15,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.errors import decode
-from server.protocol import ProfileRequest
+from server.protocol_native import ProfileRequest
 from server.request_body import note_unknown_fields, read_body
 from server.state import STATE
 

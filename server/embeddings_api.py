@@ -21,7 +21,7 @@ from aiohttp import web
 from engine import EmbeddingResult, Prompt
 from server.errors import ApiError
 from server.openai_common import new_id
-from server.protocol import (
+from server.protocol_tokens import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,

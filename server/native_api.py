@@ -23,7 +23,7 @@ from aiohttp import web
 from engine import PromptLogprobs, RequestStream, ResultBuilder, SamplingParams, StreamDelta
 from server.errors import ApiError, unavailable
 from server.generation import GenerationGroup, GenSpec
-from server.protocol import AbortRequest, GenerateRequest, GenerateResponse, LoadInfo, MetaInfo, VersionResponse
+from server.protocol_native import AbortRequest, GenerateRequest, GenerateResponse, LoadInfo, MetaInfo, VersionResponse
 from server.request_body import read_json
 from server.sse import send_done, send_event, sse_stream
 from server.state import STATE, ServerState

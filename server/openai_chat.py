@@ -101,7 +101,7 @@ def _with_tools(
 
 # apply_chat_template's own parameters and the template's `messages`: the server sets them, so a
 # request cannot through chat_template_kwargs (they would clash, or swap the template itself).
-_RESERVED_TEMPLATE_KWARGS = frozenset(
+RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "messages",
         "conversation",
@@ -128,7 +128,7 @@ def _template_kwargs(req: ChatCompletionRequest, tool_kwargs: dict[str, Any] | N
     if not user:
         return tool_kwargs
     for key in user:
-        if key in _RESERVED_TEMPLATE_KWARGS:
+        if key in RESERVED_TEMPLATE_KWARGS:
             raise ApiError(400, f"chat_template_kwargs cannot set {key!r}", param="chat_template_kwargs")
     clash = sorted(user.keys() & (tool_kwargs or {}).keys())
     if clash:

@@ -1,10 +1,11 @@
 """The OpenAPI 3.1 document of the HTTP API, served at GET /openapi.json.
 
-The request and response schemas are generated from the msgspec Structs in `server/protocol.py`
-(`msgspec.json.schema_components`), so the document cannot drift from what the handlers decode:
-change a Struct and the schema changes with it. msgspec emits JSON Schema 2020-12, which is
-OpenAPI 3.1's dialect, so the component schemas go in unchanged. The operations themselves (which
-body, which statuses, which content types) are described here in `_OPERATIONS`, one entry per path.
+The request and response schemas are generated from the msgspec Structs in `server/protocol.py`,
+`protocol_native.py` and `protocol_tokens.py` (`msgspec.json.schema_components`), so the document
+cannot drift from what the handlers decode: change a Struct and the schema changes with it.
+msgspec emits JSON Schema 2020-12, which is OpenAPI 3.1's dialect, so the component schemas go in
+unchanged. The operations themselves (which body, which statuses, which content types) are
+described here in `_OPERATIONS`, one entry per path.
 
 The document lists the routes the app really has: it is built once, when the app starts (its
 router is frozen by then, whatever order `build_app` added routes in), from `app.router`. A route
@@ -27,31 +28,35 @@ from aiohttp import web
 from server.errors import ErrorResponse
 from server.native_api import VERSION
 from server.protocol import (
-    AbortRequest,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    ModelList,
+)
+from server.protocol_native import (
+    AbortRequest,
+    GenerateRequest,
+    GenerateResponse,
+    LoadInfo,
+    ProfileRequest,
+    VersionResponse,
+    WsCancel,
+    WsDelta,
+    WsError,
+    WsGenerate,
+)
+from server.protocol_tokens import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     EncodeRequest,
     EncodeResponse,
-    GenerateRequest,
-    GenerateResponse,
-    LoadInfo,
-    ModelList,
-    ProfileRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
-    VersionResponse,
-    WsCancel,
-    WsDelta,
-    WsError,
-    WsGenerate,
 )
 from server.state import STATE
 

@@ -21,13 +21,12 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError
-from server.openai_chat import _RESERVED_TEMPLATE_KWARGS
-from server.protocol import (
+from server.openai_chat import RESERVED_TEMPLATE_KWARGS
+from server.protocol import ChatMessage, ImageUrlPart
+from server.protocol_tokens import (
     AddedTokenInfo,
-    ChatMessage,
     DetokenizeRequest,
     DetokenizeResponse,
-    ImageUrlPart,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
@@ -70,7 +69,7 @@ def _render_chat(tokenizer: Any, req: TokenizeRequest) -> str:
         )
     kwargs = dict(req.chat_template_kwargs or {})
     for key in kwargs:
-        if key in _RESERVED_TEMPLATE_KWARGS:
+        if key in RESERVED_TEMPLATE_KWARGS:
             raise ApiError(400, f"chat_template_kwargs cannot set {key!r}", param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(

@@ -39,7 +39,7 @@ from engine import ResultBuilder
 from server.errors import ApiError, decode, to_api_error
 from server.generation import GenerationGroup
 from server.native_api import finish_reason_obj, parse_generate, result_meta
-from server.protocol import WsCancel, WsClientMessage, WsDelta, WsError, encode
+from server.protocol_native import WsCancel, WsClientMessage, WsDelta, WsError, encode
 from server.state import STATE, ServerState
 
 log = logging.getLogger(__name__)

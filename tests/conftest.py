@@ -38,3 +38,13 @@ def default_source():
 @pytest.fixture(scope="session")
 def default_tokenizer(default_source):
     return default_source.load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_source):
+    """transformers' fp32 model on the default GGUF (the reference of the log-prob and embedding
+    tests), loaded once per test process: dequantizing the GGUF takes seconds each time."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_source.gguf_file
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

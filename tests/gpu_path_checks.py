@@ -33,7 +33,8 @@ from engine import SyncScheduler
 from engine.model_executor.cuda_graph_runner import DecodeGraphRunner, padded_batch_size
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 from tests.sched_harness import make_runner, make_tiny_llama, new_req, random_prompts
 

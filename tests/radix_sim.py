@@ -10,7 +10,8 @@ from engine.cache.chunk_cache import ChunkCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.cache.radix_cache import RadixCache, TreeNode
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 
 torch.set_num_threads(1)
 

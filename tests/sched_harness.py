@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 
 TINY_VOCAB = 512

@@ -29,11 +29,8 @@ def server(request):
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_source):
-    from transformers import AutoModelForCausalLM
-
-    path = default_source.gguf_file
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,7 @@ async def testhost_callback_resolves_from_foreign_thread_and_tolerates_closed_lo
     cs.host_callback(ds.Completion(dead, loop.create_future(), True, None))  # must not raise
 
 
-class _SimStream:
+class SimStream:
     """A fake torch.cuda.Stream: work is already done when enqueued (the fake device is instant)."""
 
     def __init__(self, device: object = None) -> None:
@@ -267,7 +267,7 @@ class _SimStream:
         self.waited_on.append(other)
 
 
-class _SimEvent(_FakeEvent):
+class SimEvent(_FakeEvent):
     def __init__(self, blocking: bool = False) -> None:
         super().__init__(0.0)
 
@@ -275,7 +275,7 @@ class _SimEvent(_FakeEvent):
         pass
 
 
-class _SimHostStream:
+class SimHostStream:
     """Plays CUDA's host-function thread: one thread runs callbacks in order, a bit later; can fail."""
 
     def __init__(self, fail_after: int) -> None:
@@ -304,13 +304,13 @@ async def test_cuda_stream_logic_on_a_simulated_device(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(torch.cuda, "Stream", _SimStream)
-    monkeypatch.setattr(torch.cuda, "Event", _SimEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", SimStream)
+    monkeypatch.setattr(torch.cuda, "Event", SimEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     launcher_stream = object()  # the launching thread's current stream
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: launcher_stream)
-    host = _SimHostStream(fail_after)
+    host = SimHostStream(fail_after)
     monkeypatch.setattr(cs, "cupy_host_stream", lambda ptr, index: host if fail_after else None)
 
     stream = make_device_stream("cuda")

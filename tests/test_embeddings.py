@@ -46,11 +46,8 @@ def cosine(a: list[float], b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_source):
-    from transformers import AutoModelForCausalLM
-
-    path = default_source.gguf_file
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +61,11 @@ def runner(default_source) -> ModelRunner:
     return ModelRunner(args, default_source)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
-@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "chunked8"])
+@pytest.mark.parametrize(
+    ("pooling", "chunk"),
+    [("last", None), ("cls", None), ("mean", None), ("last", 8), ("mean", 8)],  # chunks matter for mean and last
+    ids=["last", "cls", "mean", "last-chunked8", "mean-chunked8"],
+)
 def test_pooled_hidden_states_equal_transformers(runner, hf_model, prompts, pooling, chunk):
     runner.args.chunked_prefill_size = chunk
     sched = Collecting(runner)

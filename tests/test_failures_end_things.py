@@ -33,7 +33,7 @@ from engine.device.cuda_stream import CudaDeviceStream, DeviceCallbackError
 from engine.engine import ENGINE_STOPPED
 from engine.scheduler.batch import ScheduleBatch
 from tests.sched_harness import build_tiny_folder
-from tests.test_device_stream import _SimEvent, _SimHostStream, _SimStream
+from tests.test_device_stream import SimEvent, SimHostStream, SimStream
 
 TIMEOUT = 120  # a hang guard only (a first run may wait for the CPU kernels to build)
 PROMPT = list(range(300, 340))
@@ -237,12 +237,12 @@ async def test_failed_delivery_fails_one_handle_and_later_ones_resolve_in_order(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(torch.cuda, "Stream", _SimStream)
-    monkeypatch.setattr(torch.cuda, "Event", _SimEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", SimStream)
+    monkeypatch.setattr(torch.cuda, "Event", SimEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
-    host = _SimHostStream(fail_after)
+    host = SimHostStream(fail_after)
     monkeypatch.setattr(cs, "cupy_host_stream", lambda ptr, index: host if fail_after else None)
     real_deliver = ds.Completion.deliver
 

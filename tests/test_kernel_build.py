@@ -1,4 +1,4 @@
-"""The compiled-extension cache (engine/kernels/build.py): key, atomic publish, build lock.
+"""The compiled-extension cache (engine/kernels/cached_build.py): key, atomic publish, build lock.
 
 The mechanism is checked with a tiny extension (a few lines of the Python C API, compiled through
 the same `cached_build` the CPU kernels use) so each build takes about a second; the real kernels
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import build
+from engine.kernels import cached_build as build
 
 # torch's builder defines TORCH_EXTENSION_NAME (the cache folder's name); the module's init
 # function must carry it, hence the token pasting.
@@ -64,7 +64,7 @@ LOADER = """
 import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-from engine.kernels import build
+from engine.kernels import cached_build as build
 src = Path(sys.argv[1])
 what = "the tiny test extension"
 m = build.cached_build("tiny", [src / "tiny.cpp"], depends=[src / "answer.h"], cflags=["-O1"], what=what)
@@ -163,7 +163,7 @@ def test_stale_lock_of_a_dead_process_is_cleared_and_the_build_proceeds(tiny, ca
     (leftover / "tiny.o").write_bytes(b"\0" * 100)
     (leftover / f"{folder.name}.so").write_bytes(b"not an elf")
 
-    with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
+    with caplog.at_level(logging.INFO, logger="engine.kernels.cached_build"):
         module = build.cached_build("tiny", what="the tiny test extension", **_args(src))
     assert module.answer() == 42
     assert caplog.text.count(f"cleared a stale build lock left by pid {dead}") == 1
@@ -187,7 +187,7 @@ def half_build(name, sources, build_directory, **kwargs):
     (d / (name + ".so")).write_bytes(b"truncated")
     os.kill(os.getpid(), signal.SIGKILL)
 cpp_extension.load = half_build
-from engine.kernels import build
+from engine.kernels import cached_build as build
 src = Path(sys.argv[1])
 build.cached_build("tiny", [src / "tiny.cpp"], depends=[src / "answer.h"], cflags=["-O1"])
 """

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 
 VOCAB = 160

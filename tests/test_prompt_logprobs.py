@@ -47,12 +47,9 @@ def prompts(default_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(default_source, prompts) -> list[torch.Tensor]:
+def hf_logprobs(hf_default_model, prompts) -> list[torch.Tensor]:
     """transformers' fp32 log_softmax at every prompt position, one prompt at a time."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = hf_default_model
     with torch.no_grad():
         return [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
 

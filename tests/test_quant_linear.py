@@ -27,7 +27,8 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_weights import q4_blocks
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 from server.cli import parse_args
 from tests.sched_harness import make_tiny_llama

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.scheduler.batch import Req
+from engine.scheduler.req import Req
 from tests.radix_sim import CTX, Sim, check_idle, new_req
 
 

@@ -27,11 +27,8 @@ def server(request):
 
 
 @pytest.fixture(scope="module")
-def reference(default_source, default_tokenizer) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    path = default_source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def reference(hf_default_model, default_tokenizer) -> list[torch.Tensor]:
+    model = hf_default_model
     out = []
     with torch.no_grad():
         for text in TEXTS:

@@ -37,11 +37,8 @@ def prompt_ids(default_tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_lps(default_source, prompt_ids) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    path = default_source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_lps(hf_default_model, prompt_ids) -> torch.Tensor:
+    model = hf_default_model
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), -1)
 

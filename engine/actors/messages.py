@@ -30,8 +30,8 @@ import msgspec
 from engine.api import StreamDelta
 from engine.constrained import CompiledGrammar
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req
 from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.req import Req
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan
 
 __all__ = [

@@ -55,9 +55,9 @@ from engine.errors import DistributedError, InvalidRequestError, WatchdogTimeout
 from engine.model_executor.model_runner import GenerationBatchResult
 from engine.recorder.events import describe_batch, describe_budget, describe_out
 from engine.recorder.ring import FlightRecorder
-from engine.scheduler.batch import FinishReason, Req
 from engine.scheduler.internal_state import check_internal_state, scheduler_state
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
+from engine.scheduler.req import FinishReason, Req
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.step import TimedResult, run_batch
 from engine.scheduler.waiting_queue import PrefillPlan

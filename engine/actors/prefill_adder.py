@@ -31,7 +31,7 @@ from engine.actors.messages import (
 from engine.actors.runtime import Actor
 from engine.recorder.events import describe_plan
 from engine.recorder.ring import FlightRecorder
-from engine.scheduler.batch import Finished, FinishReason, Req
+from engine.scheduler.req import Finished, FinishReason, Req
 from engine.scheduler.waiting_queue import PrefillPlan, PrefillPlanner
 
 

@@ -32,7 +32,7 @@ from engine.errors import (
     RequestTooLargeError,
 )
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import resolve_logprob_start_len
+from engine.scheduler.req import resolve_logprob_start_len
 
 DETOKENIZE_CONTEXT = 5  # prompt ids given to the detokenizer so the first token keeps its space
 

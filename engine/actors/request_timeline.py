@@ -13,8 +13,8 @@ import collections
 
 import msgspec
 
-from engine.scheduler.batch import Req
 from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.req import Req
 
 KEEP_FINISHED = 32  # finished timelines kept for the dashboard
 MAX_LIVE = 1024  # live timelines kept (the oldest are dropped past it: a bound, not a limit)

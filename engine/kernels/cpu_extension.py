@@ -3,9 +3,9 @@
 One extension holds every CPU kernel: paged attention (cpu_attention.py) and the fused
 elementwise ops (cpu_elementwise.py). It is compiled with torch's extension builder (`-O3
 -march=native`, so it uses this machine's vector width; 2.5-3.5 min on 2 cores) through
-build.py's `cached_build`: one folder under ~/.cache/asyncllm/kernels per build key (sources,
+cached_build.py: one folder under ~/.cache/asyncllm/kernels per build key (sources,
 flags, compiler, torch install and version, Python ABI, CPU features), published only once
-complete, with a build lock that a killed build cannot leave behind (build.py says how). `make
+complete, with a build lock that a killed build cannot leave behind (cached_build.py says how). `make
 setup` builds it (`python -m engine.kernels.build`), so servers and tests load the cached .so;
 otherwise the first ModelRunner builds it, with a log line before and after. Anything that stops
 the build (no compiler, no ninja, an exotic CPU) leaves the torch paths in charge: `load()`
@@ -20,6 +20,8 @@ import os
 import threading
 from pathlib import Path
 from types import ModuleType
+
+from engine.kernels import cached_build
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,8 @@ def _build_args() -> dict:
 
 
 def build_directory() -> Path:
-    from engine.kernels import build  # see load()
-
     args = _build_args()
-    return build.build_folder(NAME, args["sources"], args["depends"], args["cflags"], args["ldflags"])
+    return cached_build.build_folder(NAME, args["sources"], args["depends"], args["cflags"], args["ldflags"])
 
 
 def enabled() -> bool:
@@ -74,11 +74,7 @@ def load() -> ModuleType | None:
     with _lock:
         if not _tried:
             try:
-                # Imported here, not at the top: `python -m engine.kernels.build` runs that module as
-                # __main__, and runpy warns when the package import already loaded it.
-                from engine.kernels import build
-
-                _module = build.cached_build(NAME, what="the CPU kernels", **_build_args())
+                _module = cached_build.cached_build(NAME, what="the CPU kernels", **_build_args())
             except Exception as e:  # any build failure means "use the torch path"
                 log.warning("CPU kernels unavailable, using the torch paths: %s", e)
                 _module = None

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.model_executor.forward_batch_info import ForwardMode
-from engine.scheduler.batch import Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 
 
 class MemoryLeakError(RuntimeError):

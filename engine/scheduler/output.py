@@ -12,9 +12,10 @@ import msgspec
 import torch
 
 from engine.api import PromptLogprobs
+from engine.model_executor.model_runner import GenerationBatchResult
 from engine.model_executor.prompt_logprobs import PromptLogprobsOut
 from engine.sampling import SamplerOutput
-from engine.scheduler.batch import Finished, Req
+from engine.scheduler.req import Finished, Req
 
 
 def take_prompt_logprobs(req: Req) -> PromptLogprobs | None:
@@ -144,6 +145,27 @@ class StepEmbeddings:
         rows = self.hidden[self.starts[i] : self.starts[i + 1]]
         total, n = req.pooled if req.pooled is not None else (torch.zeros(rows.shape[1]), 0)
         req.pooled = (total + rows.sum(0), n + rows.shape[0])
+
+
+class PromptOutputs:
+    """What one extend computed for its requests' prompts besides the next token: their scored
+    prompt log-probs and their pooled rows; `of` is None when the batch asked for neither."""
+
+    def __init__(self, result: GenerationBatchResult) -> None:
+        lps, pooled = result.prompt_logprobs, result.embed_hidden
+        self.logprobs = StepPromptLogprobs(lps) if lps is not None else None
+        self.pooled = StepEmbeddings(*pooled) if pooled is not None else None
+
+    @classmethod
+    def of(cls, result: GenerationBatchResult) -> PromptOutputs | None:
+        return cls(result) if result.prompt_logprobs is not None or result.embed_hidden is not None else None
+
+    def gather(self, i: int, req: Req) -> None:
+        """Hand row block `i` of each to request `req` (the batch's i-th)."""
+        if self.logprobs is not None:
+            self.logprobs.gather(i, req)
+        if self.pooled is not None:
+            self.pooled.gather(i, req)
 
 
 def take_embedding(req: Req) -> list[float] | None:

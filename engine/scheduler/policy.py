@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.cache.base_prefix_cache import BasePrefixCache, PrefixNode
-from engine.scheduler.batch import Req
+from engine.scheduler.req import Req
 from engine.server_args import SCHEDULE_POLICIES
 
 # A running request's future need is estimated from at most this many of its remaining tokens.

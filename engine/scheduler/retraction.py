@@ -16,7 +16,7 @@ value once the engine goes idle: a burst's estimate says nothing about the next 
 
 from __future__ import annotations
 
-from engine.scheduler.batch import Req
+from engine.scheduler.req import Req
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1

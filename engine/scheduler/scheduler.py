@@ -36,17 +36,11 @@ from engine.cache.radix_cache import RadixCache
 from engine.constrained import CompiledGrammar
 from engine.host_memory import trim_host_memory
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
-from engine.scheduler.batch import Finished, FinishReason, InputLogprobs, Req, ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
-from engine.scheduler.output import (
-    BatchTokenOut,
-    StepEmbeddings,
-    StepLogprobs,
-    StepPromptLogprobs,
-    take_embedding,
-    take_prompt_logprobs,
-)
+from engine.scheduler.output import BatchTokenOut, PromptOutputs, StepLogprobs, take_embedding, take_prompt_logprobs
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
+from engine.scheduler.req import Finished, FinishReason, Req
 from engine.scheduler.retraction import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -339,9 +333,7 @@ class Scheduler:
         victim.kv_committed_len = victim.kv_computed_len = 0
         victim.is_chunked = 0
         victim.epoch += 1
-        if victim.input_logprobs is not None:  # not sent yet: the re-prefill scores it all again
-            victim.input_logprobs = InputLogprobs()
-        victim.pooled = None
+        victim.reset_prompt_outputs()
         self._requeue.append(victim)
         return victim
 
@@ -384,17 +376,14 @@ class Scheduler:
             self.generated_tokens += len(msg.rids)
             return msg
         ids = result.next_token_ids_list()  # CUDA: from the step's pinned copy, no device-wide sync
-        prompt_lps = StepPromptLogprobs(result.prompt_logprobs) if result.prompt_logprobs is not None else None
-        pooled = StepEmbeddings(*result.embed_hidden) if result.embed_hidden is not None else None
+        extras = PromptOutputs.of(result)  # prompt log-probs, pooled rows (None: the batch has neither)
         msg = BatchTokenOut()
         for i, req in enumerate(lb.reqs):
             if req.finished() or lb.epochs[i] != req.epoch:
                 continue  # finished/aborted/retracted after this batch was launched
             req.kv_computed_len = max(req.kv_computed_len, lb.kv_lens[i])  # its KV is written now
-            if prompt_lps is not None:
-                prompt_lps.gather(i, req)
-            if pooled is not None:
-                pooled.gather(i, req)
+            if extras is not None:
+                extras.gather(i, req)
             if lb.mid_chunk[i]:
                 continue  # a middle chunk: its sampled token means nothing
             prompt = take_prompt_logprobs(req) if i < lb.num_extend else None

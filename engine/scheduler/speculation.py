@@ -27,9 +27,9 @@ import torch
 
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_executor.model_runner import GenerationBatchResult
-from engine.scheduler.batch import Req
 from engine.scheduler.launched import LaunchedBatch
 from engine.scheduler.output import BatchTokenOut, StepLogprobs
+from engine.scheduler.req import Req
 from engine.speculative.ngram import DraftLength, NgramIndex
 
 

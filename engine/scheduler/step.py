@@ -28,9 +28,9 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError, Reque
 from engine.model_executor.forward_batch_info import ModelWorkerBatch
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler.batch import Req, resolve_logprob_start_len
 from engine.scheduler.launched import LaunchedBatch
 from engine.scheduler.output import BatchTokenOut
+from engine.scheduler.req import Req, resolve_logprob_start_len
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.waiting_queue import PrefillPlanner
 from engine.server_args import ServerArgs

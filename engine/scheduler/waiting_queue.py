@@ -21,8 +21,8 @@ from __future__ import annotations
 import msgspec
 
 from engine.cache.base_prefix_cache import BasePrefixCache
-from engine.scheduler.batch import Req
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy
+from engine.scheduler.req import Req
 
 
 class PrefillBudget(msgspec.Struct, frozen=True):

@@ -12,14 +12,20 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import xgrammar as xgr
 
-if TYPE_CHECKING:
-    from server.tool_parsers.plan import ToolPlan
-
 Obj = dict[str, Any]  # a JSON object
+
+
+class ToolPlan(Protocol):
+    """What this module needs of a request's plan (plan.py's `ToolPlan`, which imports this
+    module: a protocol here keeps the two from importing each other)."""
+
+    choice: str
+
+    def render_native(self, messages: list[Obj]) -> tuple[list[Obj], Obj | None]: ...
 
 
 @dataclass(frozen=True)

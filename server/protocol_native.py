@@ -1,0 +1,129 @@
+"""Request and response bodies of the SGLang-native API, as msgspec Structs: /generate and
+/abort_request (server/native_api.py), /start_profile (server/admin_api.py), /version and
+/get_load, and the WebSocket messages of /ws (server/ws.py) with their JSON `encode`.
+
+The conventions are `server/protocol.py`'s: requests decode strictly but ignore unknown fields
+(unknown keys inside `sampling_params` are a 400 naming the key). The /ws messages are msgspec
+tagged unions on `type`: a client sends `WsClientMessage` (`generate` or `cancel`), the server
+answers `delta` and `error` frames.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+from engine import SamplingParams
+from server.errors import ErrorInfo
+
+# ---- native (SGLang) -------------------------------------------------------------------------
+
+
+class GenerateRequest(Struct, kw_only=True):
+    """POST /generate: `text` or `input_ids` (one prompt or a batch), SGLang's sampling params."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: SamplingParams | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Prompt log-probs from this position on (-1: only the last prompt position, unscored), one
+    # value for every prompt or one per prompt; the token texts ride along when asked.
+    logprob_start_len: int | list[int] = -1
+    return_text_in_logprobs: bool = False
+
+
+class AbortRequest(Struct, kw_only=True):
+    rid: str
+
+
+class ProfileRequest(Struct, kw_only=True):
+    """POST /start_profile (optional body). Traces go to the server's --profile-dir: a client
+    does not choose where the server writes files."""
+
+    num_steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    activities: list[Literal["CPU", "GPU"]] | None = None
+
+
+class MetaInfo(Struct, omit_defaults=True):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    # SGLang's (log-prob, token id, text or None) triples; a prompt's first position has no log-prob
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
+    # n-gram speculation (only when the request speculated): SGLang's spec_verify_ct, and the
+    # drafts verified and accepted (engine.StreamDelta)
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+
+
+class GenerateResponse(Struct, omit_defaults=True):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | None = None
+
+
+# ---- WebSocket (/ws) -------------------------------------------------------------------------
+
+
+class WsGenerate(GenerateRequest, tag="generate", tag_field="type", kw_only=True):
+    """Start a generation tagged with the client's `id` (unique among its running ones)."""
+
+    id: str | int
+
+
+class WsCancel(Struct, tag="cancel", tag_field="type", kw_only=True):
+    id: str | int
+
+
+WsClientMessage = WsGenerate | WsCancel
+
+
+class WsDelta(Struct, omit_defaults=True, tag="delta", tag_field="type"):
+    """One increment of generation `id`; the last one has `finish_reason` and `meta_info`."""
+
+    id: str | int
+    text: str
+    token_ids: list[int]
+    finish_reason: dict[str, Any] | None = None
+    meta_info: MetaInfo | None = None
+    index: int | None = None
+
+
+class WsError(Struct, tag="error", tag_field="type"):
+    id: str | int | None
+    error: ErrorInfo
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+# ---- info endpoints (/version and /get_load) -------------------------------------------------
+
+
+class VersionResponse(Struct):
+    version: str
+
+
+class LoadInfo(Struct):
+    """One data-parallel rank's load, as SGLang's GET /get_load answers it (a list of these)."""
+
+    dp_rank: int
+    num_reqs: int  # running
+    num_waiting_reqs: int
+    num_tokens: int  # KV cache tokens held by requests (neither free nor evictable cache)
+    max_total_num_tokens: int  # the KV pool's size
+    token_usage: float  # num_tokens / max_total_num_tokens
