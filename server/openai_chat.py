@@ -35,6 +35,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatMessage,
     FunctionCall,
     FunctionCallDelta,
     ImageUrlPart,
@@ -50,23 +51,22 @@ from server.structured import incomplete_json_warning, schema_param
 from server.tool_parsers import StreamingToolParser, ToolCallDelta, ToolPlan, parse_tool_request
 
 
-def _chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not req.messages:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat template's input from OpenAI messages (developer -> system, text parts joined;
+    images refused): what /v1/chat/completions renders and /tokenize counts."""
+    if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     out = []
-    for k, m in enumerate(req.messages):
+    for k, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             if any(isinstance(p, ImageUrlPart) for p in content):
                 raise ApiError(400, "image content is not supported by this model", param=f"messages[{k}].content")
             content = "\n".join(p.text for p in content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-        if m.tool_calls is not None:
-            msg["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            msg["name"] = m.name
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if (value := getattr(m, key)) is not None:
+                msg[key] = value
         out.append(msg)
     return out
 
@@ -174,7 +174,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     else:
         sp = sampling_params(state, req, req.max_tokens)
     user_grammar = sp.grammar_spec() is not None
-    plan, messages, tool_kwargs, sp = _with_tools(state, req, _chat_prompt(req), sp)
+    plan, messages, tool_kwargs, sp = _with_tools(state, req, chat_messages(req.messages), sp)
     template_kwargs = _template_kwargs(req, tool_kwargs)
     fmt = reasoning_format(state.config.reasoning_parser, req.separate_reasoning, req.chat_template_kwargs)
     n = req.n or 1

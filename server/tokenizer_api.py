@@ -21,8 +21,7 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError
-from server.openai_chat import RESERVED_TEMPLATE_KWARGS
-from server.protocol import ChatMessage, ImageUrlPart
+from server.openai_chat import RESERVED_TEMPLATE_KWARGS, chat_messages
 from server.protocol_tokens import (
     AddedTokenInfo,
     DetokenizeRequest,
@@ -40,26 +39,6 @@ THREAD_ABOVE_CHARS = 32_768
 THREAD_ABOVE_IDS = 8_192  # the same for /detokenize
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The chat template's input, built as /v1/chat/completions builds it (developer -> system,
-    text parts joined)."""
-    if not messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    out = []
-    for k, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(isinstance(p, ImageUrlPart) for p in content):
-                raise ApiError(400, "image content is not supported by this model", param=f"messages[{k}].content")
-            content = "\n".join(p.text for p in content)
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if (value := getattr(m, key)) is not None:
-                msg[key] = value
-        out.append(msg)
-    return out
-
-
 def _render_chat(tokenizer: Any, req: TokenizeRequest) -> str:
     assert req.messages is not None
     if req.add_generation_prompt and req.continue_final_message:
@@ -73,7 +52,7 @@ def _render_chat(tokenizer: Any, req: TokenizeRequest) -> str:
             raise ApiError(400, f"chat_template_kwargs cannot set {key!r}", param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(
-            _messages(req.messages),
+            chat_messages(req.messages),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tokenize=False,
