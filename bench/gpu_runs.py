@@ -7,6 +7,7 @@ the plumbing can be dry-run on CPU with a tiny model; the numbers only mean some
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -126,6 +127,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
+def w1_prompts(scale: int, vocab: int) -> list[list[int]]:
+    """bench.offline's W1 prompts (64 requests, U[64, 512] tokens) `scale` times over, seeds 0.."""
+    from bench.offline import make_workload
+
+    return [p for seed in range(scale) for p in make_workload("W1", vocab, seed).prompts]
+
+
 # ---- measurements -----------------------------------------------------------------------------
 
 
@@ -149,6 +157,47 @@ def ours_batch(sync: SyncScheduler, prompts: list[list[int]], steps: int) -> tup
     if len(prefill) != 1 or prefill[0].batch_size != len(prompts) or len(decode) != steps:
         raise RuntimeError(f"expected one prefill of {len(prompts)} and {steps} decode steps, got {records}")
     return prefill[0].end - prefill[0].start, statistics.median(decode)
+
+
+def decode_profile(sync: SyncScheduler, prompts: list[list[int]], steps: int, top: int = 8) -> dict[str, Any]:
+    """Where a synchronous decode step's time goes, from the torch profiler over `steps` steps:
+    wall time, device kernel time and kernel count per step, and the top host ops and kernels.
+    Kernel time far under wall time means the step is host-bound; many short kernels per step mean
+    launch- or fusion-bound (a graph removes launch cost, not the kernels' own minimum time)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 3, ignore_eos=True)
+    for p in prompts:
+        sync.add_request(p, params)
+    sync.step()  # the prefill
+    sync.step()  # one decode step outside the trace
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            sync.step()
+    wall = (time.perf_counter() - t0) / steps
+    sync.run_until_idle()
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+
+    kernels = [e for e in events if device_us(e) > 0]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "wall_us": wall * 1e6,
+        "kernel_us": sum(device_us(e) for e in kernels) / steps,
+        "kernels": sum(e.count for e in kernels) / steps,
+        "top_host_us": [[e.key[:60], e.count / steps, e.self_cpu_time_total / steps] for e in host],
+        "top_kernels_us": [
+            [e.key[:60], e.count / steps, device_us(e) / steps]
+            for e in sorted(kernels, key=device_us, reverse=True)[:top]
+        ],
+    }
 
 
 @torch.inference_mode()
@@ -180,6 +229,8 @@ def hf_generate_batch(model: torch.nn.Module, prompts: list[list[int]], output_l
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False)
+    warm = GenerationConfig(max_new_tokens=4, do_sample=False)
+    model.generate_batch(inputs=prompts[:64], generation_config=warm, progress_bar=False)  # as ours: warmed up
     _sync()
     t0 = time.perf_counter()
     outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
@@ -197,19 +248,35 @@ def engine_generate(
     trace: Path | None = None,
 ) -> float | tuple[float, float, int]:
     """Our Engine (actors + device stream): output tokens/s, or with `trace` the decode idle stats
-    (fraction, mean gap us, pairs) of a profiled run (the engine annotates every forward)."""
+    (fraction, mean gap us, pairs) of a profiled run (the engine annotates every forward).
+
+    Only the generation is timed (or traced): the engine is started and warmed up first (a few tokens
+    for up to 64 of the prompts, so the kernels' shapes are compiled), as a served engine would be.
+    """
+    import uvloop
+
     from engine import Engine, SamplingParams
 
-    engine = Engine(model_path, enable_overlap=overlap, **options)
     params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+
+    async def run() -> float | Any:
+        async with Engine(model_path, enable_overlap=overlap, **options) as engine:
+            await asyncio.gather(*(engine.generate(p, warm) for p in prompts[:64]))
+            if trace is None:
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+                return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            return prof
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        out = runner.run(run())
     if trace is None:
-        t0 = time.perf_counter()
-        results = engine.generate_batch(prompts, params)
-        return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        engine.generate_batch(prompts, params)
-    prof.export_chrome_trace(str(trace))
+        return out
+    out.export_chrome_trace(str(trace))
     return idle_between_steps(step_spans(json.loads(trace.read_text())["traceEvents"]))

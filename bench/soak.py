@@ -338,7 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens is drawn from 1..this")
     p.add_argument("--greedy-sample", type=int, default=20, help="greedy requests re-run alone at the end")
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, to check its RSS")
-    p.add_argument("--server-log", type=Path, help="with --url: the server's log, scanned for tracebacks")
+    p.add_argument(
+        "--server-log", type=Path, help="the server's log, scanned for tracebacks (with --launch: where it is written)"
+    )
     p.add_argument("--api-key")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="requests before the RSS baseline")
@@ -375,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--dtype", args.dtype, *args.server_arg]
         if args.api_key:
             extra += ["--api-key", args.api_key]
-        server = LaunchedServer(args.model_path, extra)
+        server = LaunchedServer(args.model_path, extra, args.server_log)
         print(f"starting {' '.join(server.cmd)} (log: {server.log_path})", file=sys.stderr, flush=True)
         try:
             server.start()

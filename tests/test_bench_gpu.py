@@ -33,7 +33,11 @@ def test_parse_args_defaults_and_overrides():
     )
     assert a.models == ["smollm2-135m"] and a.batch_sizes == [4, 8] and a.input_len == 64 and a.skip_hf
     assert a.json == Path("out.json")
-    for bad in (["--batch-sizes", "0"], ["--decode-steps", "0"], ["--input-len", "x"]):
+    assert a.throughput_workload == "W1x8"
+    assert parse_args(["--throughput-workload", "uniform"]).throughput_workload == "uniform"
+    bad_args = (["--batch-sizes", "0"], ["--decode-steps", "0"], ["--input-len", "x"])
+    bad_args += (["--throughput-workload", "W1x0"], ["--throughput-workload", "W2"])
+    for bad in bad_args:
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
