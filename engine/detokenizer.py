@@ -67,8 +67,11 @@ class IncrementalDetokenizer:
     prompt + output (a decode of the output alone would drop it).
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True, keep_text: bool = True
+    ) -> None:
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
+        self._keep_text = keep_text  # False: only deltas (the scheduler's stop-string check), no `text`
         context = list(prompt_ids[-INITIAL_CONTEXT_TOKENS:]) if INITIAL_CONTEXT_TOKENS else []
         context_text = self._decode(context) if context else ""
         if context_text.endswith(REPLACEMENT_CHAR):
@@ -115,7 +118,7 @@ class IncrementalDetokenizer:
         del self._window[: self._read]
         self._read = len(self._window)
         self._prefix_len = len(self._decode(self._window))
-        if delta:
+        if delta and self._keep_text:
             self._chunks.append(delta)
         return delta
 

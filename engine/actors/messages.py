@@ -10,7 +10,7 @@ Flow (SGLang's names where they exist):
     PrefillAdderActor --WaitingCount--> OverlapScheduler
     OverlapScheduler, PrefillAdderActor --BatchTokenOut--> OutputProcessor --BatchStrOut--> Receiver
     Receiver --RegisterReq--> OutputProcessor
-    OutputProcessor --StopStrMatched--> Dispatcher
+    OutputProcessor --StopStrMatched (a fallback: the scheduler ends stop strings itself)--> Dispatcher
     OverlapScheduler --ControlReply--> Receiver
 
 Most messages carry plain data (ids, token lists, deltas), so their unions decode from msgpack
@@ -76,7 +76,8 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class StopStrMatched(msgspec.Struct, tag=True):
-    """The output processor saw a stop string complete: the request ends and its memory is freed."""
+    """The output processor saw a stop string complete in a token the scheduler did not end with it
+    (a fallback: the scheduler checks stop strings itself): the request ends, its memory is freed."""
 
     rid: str
     matched: str

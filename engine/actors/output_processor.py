@@ -2,8 +2,16 @@
 
 Per request it keeps an incremental detokenizer (never emits broken UTF-8) and a stop-string
 matcher (holds back text that may be the start of a stop string; removes the stop string).
-Token-level finishes (EOS, stop ids, max tokens, aborts) come decided from the scheduler; a stop
-string is decided here, and the scheduler is told so it frees the request at once.
+Finishes come decided from the scheduler: EOS, stop ids, max tokens, aborts, and stop strings,
+which the scheduler checks on the same tokens with the same detokenizer and matcher
+(scheduler/stop_strings.py), so its "stop" arrives with the very token at which the text here is
+cut. The text is still cut here, where it is shown.
+
+Fallback: a stop string found here in a token the scheduler did not end is sent to the
+scheduler (`StopStrMatched`), which frees the request then. That happens only when the scheduler
+did not check the request (no tokenizer given to it, or its check failed on that request's
+text); a request ends once (the scheduler holds a finished request no more, and the entry that
+carries a finish ends the request here).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ class OutputProcessor(Actor):
         super().__init__("output_processor")
         self.tokenizer = tokenizer
         self.receiver: Actor | None = None  # BatchStrOut
-        self.dispatcher: Actor | None = None  # StopStrMatched
+        self.dispatcher: Actor | None = None  # AbortReq, StopStrMatched (the fallback)
         self.states: dict[str, _ReqState] = {}
 
     async def handle(self, msg: msgspec.Struct) -> None:
@@ -89,7 +97,7 @@ class OutputProcessor(Actor):
                     tail += st.matcher.flush()
             text += tail
         if hit is not None:
-            if reason is None:  # the scheduler does not know yet: it frees the request now
+            if reason is None:  # the fallback (see the module doc): the scheduler frees it now
                 self.dispatcher.send(StopStrMatched(rid, hit))
             reason, matched_stop = "stop", hit
         if reason is not None:

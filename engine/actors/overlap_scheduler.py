@@ -13,7 +13,11 @@ whose next token depends on N's (penalties count it, a grammar's mask follows it
 `LaunchedBatch.needs_sync`), N's result is processed before N+1 is planned.
 Outputs are identical either way.
 
-Aborts and stop strings come here first. The scheduler holds every request that is not in the
+Stop strings end a request inside `Scheduler.process_batch_result`, in the step whose token
+completes one (scheduler/stop_strings.py), like an EOS. `StopStrMatched` from the OutputProcessor
+is only a fallback for a request the scheduler did not check.
+
+Aborts (and that fallback) come here first. The scheduler holds every request that is not in the
 waiting queue, and requests only move from the queue to the scheduler inside a plan round trip,
 which this actor completes before it handles its next message; so a request it does not hold is
 waiting (or on its way there), and the message is forwarded to the PrefillAdder, whose mailbox
@@ -53,7 +57,7 @@ from engine.api import StepRecord
 from engine.device import DeviceHandle, DeviceStream
 from engine.errors import DistributedError, InvalidRequestError, WatchdogTimeoutError
 from engine.model_executor.model_runner import GenerationBatchResult
-from engine.recorder.events import describe_batch, describe_budget, describe_out
+from engine.recorder.events import describe_batch, describe_budget, describe_out, describe_stops
 from engine.recorder.ring import FlightRecorder
 from engine.scheduler.internal_state import check_internal_state, scheduler_state
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
@@ -249,8 +253,8 @@ class OverlapScheduler(Actor):
         """Batch `step`'s result: tokens, finishes and frees, then the output."""
         out = self.sched.process_batch_result(lb, result)
         if self.recorder is not None:
-            ids = result.next_token_ids_list()
-            self.recorder.result(step, ids, forward_s, describe_out(out), result.accept_lens)
+            ids, stops = result.next_token_ids_list(), describe_stops(lb.reqs, out)
+            self.recorder.result(step, ids, forward_s, describe_out(out), result.accept_lens, stops)
         self._emit(out)
 
     def fail_step(self, step: int, lb: LaunchedBatch, error: BaseException) -> None:
@@ -321,9 +325,12 @@ class OverlapScheduler(Actor):
                 self.adder.send(msg)  # waiting (or over): the PrefillAdder decides
             else:
                 self._emit(BatchTokenOut.finished([req]))
-        elif isinstance(msg, StopStrMatched):
-            if self.sched.abort_request(msg.rid, None, reason=FinishReason.STOP, matched=msg.matched) is None:
+        elif isinstance(msg, StopStrMatched):  # the fallback (OutputProcessor): stop strings end in the step
+            req = self.sched.abort_request(msg.rid, None, reason=FinishReason.STOP, matched=msg.matched)
+            if req is None:  # waiting, or over (a request ends once: a finished one is held no more)
                 self.adder.send(msg)
+            else:  # its text has ended already: nothing to send, but the timeline ends too
+                self.timelines.on_output(BatchTokenOut.finished([req]), time.perf_counter())
         elif isinstance(msg, WaitingCount):
             if msg.version > self._waiting_version:  # a count older than the last plan is stale
                 self._waiting_version = msg.version

@@ -55,7 +55,7 @@ def build_pipeline(
 ) -> Pipeline:
     cfg = runner.model_config
     pool_tokens = runner.token_to_kv_pool_allocator.size
-    sched = Scheduler(runner, args)
+    sched = Scheduler(runner, args, tokenizer)  # it checks stop strings itself (the same text as `output`)
     scheduler = OverlapScheduler(sched, stream, args.resolved_enable_overlap(), args.resolved_watchdog_timeout())
     adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
     dispatcher = Dispatcher(routing_table(adder, scheduler))

@@ -10,8 +10,8 @@ counter orders them):
   those objects itself and checks it built the same ones.
 * Decisions, written where they are made: `RoundEvent` (the prefill budget a round starts with),
   `PlanEvent` (what the PrefillAdder admitted), `BatchEvent` (the batch the scheduler launched,
-  with retractions and requeues), `ResultEvent` (the sampled tokens and what they finished),
-  `FailEvent` (a forward raised).
+  with retractions and requeues), `ResultEvent` (the sampled tokens and what they finished, stop
+  strings included), `FailEvent` (a forward raised).
 
 A decision's summary is computed by the same function when recording and when replaying, so
 "the same decision" means equal summaries.
@@ -46,6 +46,7 @@ from engine.actors.messages import (
     WaitingCount,
 )
 from engine.scheduler.batch import ScheduleBatch
+from engine.scheduler.req import Req
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan
 
 FORMAT_VERSION = 1
@@ -206,6 +207,9 @@ class ResultEvent(msgspec.Struct, frozen=True, tag="result", array_like=True):
     forward_s: float
     out: OutRec
     accepted: list[int] | None = None  # TARGET_VERIFY: drafts accepted per request
+    # The scheduler's stop-string finishes: (rid, output length at the match). Replay applies them,
+    # as it applies the sampled tokens: a redacted dump has no stop strings to check.
+    stops: list[tuple[str, int]] | None = None
 
 
 class FailEvent(msgspec.Struct, frozen=True, tag="fail", array_like=True):
@@ -272,6 +276,17 @@ def describe_batch(batch: ScheduleBatch | None) -> BatchRec | None:
 
 def describe_out(out: BatchTokenOut) -> OutRec:
     return OutRec(list(out.rids), list(out.token_ids), list(out.finish_reasons))
+
+
+def describe_stops(reqs: list[Req], out: BatchTokenOut) -> list[tuple[str, int]] | None:
+    """The requests of `reqs` that `out` ends on a stop string (the scheduler's own check), each
+    with its output length at the match; None if none."""
+    ended = {
+        rid
+        for rid, reason, m in zip(out.rids, out.finish_reasons, out.matched)
+        if reason == "stop" and isinstance(m, str)
+    }
+    return [(r.rid, len(r.output_ids)) for r in reqs if r.rid in ended] or None
 
 
 def recorded_form(msg: msgspec.Struct) -> msgspec.Struct:

@@ -11,8 +11,9 @@ events in order:
   dump; those one of them sent the other (plan requests and replies, requeues, forwarded aborts)
   are taken from what the replayed actor sent, after checking they match the recording;
 * a recorded decision makes the replayed actor take the same step (`begin_round`, `place_batch`,
-  `complete_step` with the recorded tokens: the stand-in model, `fail_step`), and the decision it
-  records must equal the recorded one;
+  `complete_step` with the recorded tokens: the stand-in model, and the recorded stop-string
+  finishes: the stand-in tokenizer; `fail_step`), and the decision it records must equal the
+  recorded one;
 * a `BatchTokenOut` the output processor received must be one the replayed actors sent.
 
 A dump recorded without prompts (the default: `Header.prompts_recorded` False) replays the same:
@@ -240,6 +241,11 @@ class Replayer:
             elif len(event.token_ids) != len(lb.reqs):
                 return "the recorded tokens do not fit the replayed batch", event, [r.rid for r in lb.reqs]
             else:
+                for rid, at in event.stops or ():
+                    req = next((r for r in lb.reqs if r.rid == rid), None)
+                    if req is None:
+                        return "a stop-string finish of a request not in the batch", event, [r.rid for r in lb.reqs]
+                    req.stop_check = RecordedStop(at)
                 self.actor.complete_step(
                     event.step, lb, _stand_in_result(event.token_ids, event.accepted), event.forward_s
                 )
@@ -308,6 +314,18 @@ class Replayer:
                 ) from e
             self._grammars = GrammarBackend(tokenizer, header.vocab_size, frozenset(header.eos_token_ids))
         return msgspec.structs.replace(msg, grammar=self._grammars.compile(*spec))
+
+
+class RecordedStop:
+    """A recorded stop-string finish, as a request's `stop_check`: the stop string completes when
+    its output reaches `at` tokens (the recorded decision stands in for the tokenizer, as the
+    recorded tokens stand in for the model; the stop strings themselves may be redacted)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def check(self, req: Any) -> str | None:
+        return "<recorded stop string>" if len(req.output_ids) == self.at else None
 
 
 def _stand_in_result(token_ids: list[int], accepted: list[int] | None = None) -> GenerationBatchResult:

@@ -123,10 +123,16 @@ class FlightRecorder:
         self._put(BatchEvent(seq, t, step, **decision))  # type: ignore[arg-type]
 
     def result(
-        self, step: int, token_ids: list[int], forward_s: float, out: OutRec, accepted: list[int] | None = None
+        self,
+        step: int,
+        token_ids: list[int],
+        forward_s: float,
+        out: OutRec,
+        accepted: list[int] | None = None,
+        stops: list[tuple[str, int]] | None = None,
     ) -> None:
         seq, t = self._stamp()
-        self._put(ResultEvent(seq, t, step, token_ids, forward_s, out, accepted))
+        self._put(ResultEvent(seq, t, step, token_ids, forward_s, out, accepted, stops))
 
     def fail(self, step: int, error: str, out: OutRec) -> None:
         seq, t = self._stamp()

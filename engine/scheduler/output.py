@@ -35,14 +35,15 @@ class BatchTokenOut(msgspec.Struct, tag=True):
 
     Per request: the new token id (-1 when a request ended without one, e.g. an abort or a
     scoring / embedding request, which generates nothing), the finish reason ('stop' | 'length' |
-    'abort' | None), matched stop token, error message, prompt length, cached tokens, queue time,
-    optional logprobs, and a request's prompt log-probs or embedding once its prompt is done.
+    'abort' | None), matched stop token id or stop string, error message, prompt length, cached
+    tokens, queue time, optional logprobs, and a request's prompt log-probs or embedding once its
+    prompt is done.
     """
 
     rids: list[str] = []
     token_ids: list[int] = []
     finish_reasons: list[str | None] = []
-    matched: list[int | None] = []
+    matched: list[int | str | None] = []  # a stop id (EOS included) or a stop string (the scheduler's check)
     messages: list[str | None] = []
     prompt_tokens: list[int] = []
     cached_tokens: list[int] = []
@@ -70,7 +71,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
         self.rids.append(req.rid)
         self.token_ids.append(token_id)
         self.finish_reasons.append(fin.reason.value if fin is not None else None)
-        self.matched.append(fin.matched if fin is not None and isinstance(fin.matched, int) else None)
+        self.matched.append(fin.matched if fin is not None else None)
         self.messages.append(fin.message if fin is not None else None)
         self.prompt_tokens.append(len(req.origin_input_ids))
         self.cached_tokens.append(req.cached_tokens)

@@ -90,6 +90,7 @@ class Req:
         "sampling_params",
         "seed",
         "spec",
+        "stop_check",
         "stop_token_ids",
         "top_logprobs_num",
     )
@@ -146,6 +147,9 @@ class Req:
         self.queued_at = time.perf_counter()  # created as it enters the waiting queue
         self.queue_time: float | None = None  # until its first prefill is placed (SGLang's queue time)
         self.spec: Any = None  # speculative decoding's per-request state (engine/scheduler/speculation.py)
+        # Its stop strings' check (scheduler/stop_strings.py), given by the scheduler when it places
+        # a request that has stop strings; replay puts its recorded decisions here instead.
+        self.stop_check: Any = None
 
     @property
     def seqlen(self) -> int:
@@ -167,7 +171,8 @@ class Req:
         return self.grammar is not None or self.sampling_params.has_penalties()
 
     def accept_token(self, token_id: int) -> None:
-        """Append a sampled token (advancing the grammar, which must allow it) and check finish."""
+        """Append a sampled token (advancing the grammar, which must allow it) and check finish:
+        token-level, then the stop strings."""
         self.output_ids.append(token_id)
         if self.grammar is not None and not self.grammar.accept_token(token_id):
             # The mask forbids what was sampled: a bug upstream. End the request rather than
@@ -177,6 +182,8 @@ class Req:
             )
             return
         self.check_finished()
+        if self.stop_check is not None:
+            self.check_stop_strings()
 
     def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and the cached prefix before (re)scheduling a prefill of this request."""
@@ -224,8 +231,20 @@ class Req:
         q = {"cls": 0, "last": prompt_len - 1}.get(self.pooling or "", -1)
         return (q - prefix_len, 1) if prefix_len <= q < end else (0, 0)
 
+    def check_stop_strings(self) -> None:
+        """Whether the newest token's text completes a stop string: then the request finishes
+        ("stop", matched = the stop string). Checked also on a token that reached the length limit
+        (the output processor shows its text, so it reports the stop string), never on one that
+        ended it as EOS / a stop id (whose text is not shown) or by an abort."""
+        fin = self.finished_reason
+        if fin is not None and fin.reason is not FinishReason.LENGTH:
+            return
+        hit = self.stop_check.check(self)
+        if hit is not None:
+            self.finished_reason = Finished(FinishReason.STOP, matched=hit)
+
     def check_finished(self) -> None:
-        """Token-level finish checks (stop strings are the output processor's job)."""
+        """Token-level finish checks (stop strings: `check_stop_strings`)."""
         if self.finished():
             return
         params = self.sampling_params

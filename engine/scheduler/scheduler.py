@@ -1,24 +1,21 @@
 """The scheduler's state machine: memory, the running batch, retraction, results (seeds 001, 004).
 
-`Scheduler` is plain synchronous logic. It owns memory (the request table, the KV allocator, the
-radix tree) and every request that holds any of it (running, chunked, in the last prefill). The
-waiting queue and the admission decision belong to the `PrefillPlanner` (waiting_queue.py). One
-round of planning is three calls, so the planner can sit behind a mailbox:
+`Scheduler` is plain synchronous logic. It owns memory (the request table, the KV allocator, the radix tree)
+and every request that holds any of it (running, chunked, in the last prefill). The waiting queue and the
+admission decision belong to the `PrefillPlanner` (waiting_queue.py). A round of planning is three calls:
 
     budget = scheduler.prefill_budget()          # None: nothing to prefill this round
     plan = planner.plan(budget)                   # the PrefillAdder actor, or a direct call
     batch = scheduler.next_batch(plan)            # the prefill batch, else the decode batch
 
-Requests the scheduler gives back (retracted, or admitted but not placed) and those it ended on
-its own (never fit the pool) wait in two outboxes its owner empties after each round
-(`take_requeue`, `take_self_aborted`). Driven by `SyncScheduler` (step.py) or the
-`OverlapScheduler` actor.
+Requests the scheduler gives back (retracted, or admitted but not placed) and those it ended on its own (never
+fit the pool) wait in two outboxes its owner empties after each round (`take_requeue`, `take_self_aborted`).
+Driven by `SyncScheduler` (step.py) or the `OverlapScheduler` actor. Results finish requests by EOS, stop ids,
+length and stop strings (stop_strings.py: `tokenizer` given).
 
-Overlap contract (SGLang's): batch N+1 is planned while batch N runs, so results are processed
-one step late. Consequences handled here:
-- a request finished by N may sit in N+1; its extra token is dropped (`req.finished()`);
-- a request retracted after N+1 was launched has a new `epoch`; N+1's token for the old epoch is
-  dropped;
+Overlap contract (SGLang's): batch N+1 is planned while N runs, so results are processed one step late:
+- a request finished by N (a stop string too) may sit in N+1; its extra token is dropped;
+- a request retracted after N+1 was launched has a new `epoch`; N+1's token for the old epoch is dropped;
 - memory freed while a batch is in flight may be reused by a later batch: the device stream runs
   batches in order, so the later batch's writes land after the in-flight batch's.
 """
@@ -27,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -50,6 +48,7 @@ from engine.scheduler.retraction import (
     retract_ratio,
 )
 from engine.scheduler.speculation import Speculation
+from engine.scheduler.stop_strings import attach_stop_check
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan, PrefillPlanner
 from engine.server_args import ServerArgs
 
@@ -57,9 +56,9 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
-        self.runner = runner
-        self.args = args
+    def __init__(self, runner: ModelRunner, args: ServerArgs, tokenizer: Any = None) -> None:
+        self.runner, self.args = runner, args
+        self.tokenizer = tokenizer  # stop strings are checked here with it (None: by the output side only)
         self.page_size = args.page_size
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
@@ -247,6 +246,7 @@ class Scheduler:
         for req in fresh:
             self.reqs_by_rid[req.rid] = req
             req.mark_scheduled(now)
+            attach_stop_check(req, self.tokenizer)
             self.tree_cache.record_hit(req.last_node)
         self.chunked_req = plan.new_chunked_req
         self.hit_tokens += plan.hit_tokens

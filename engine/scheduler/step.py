@@ -131,7 +131,10 @@ class SyncScheduler:
         return req
 
     def add(self, req: Req) -> None:
-        """Queue an already built request."""
+        """Queue an already built request. One with stop strings has them checked by the scheduler
+        (in the step whose token completes one, as in the Engine): the tokenizer is loaded then."""
+        if req.sampling_params.stop_strs and self.scheduler.tokenizer is None:
+            self.scheduler.tokenizer = self.runner.source.load_tokenizer()
         self.planner.add(req)
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
