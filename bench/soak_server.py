@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from engine import die_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 300.0  # the default model's tokenizer alone takes ~15 s on a busy 2-core machine
 
@@ -77,7 +79,15 @@ class LaunchedServer:
         if self._log is not None:  # a relaunch (same command, same port): the old handle is done
             self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        parent = os.getpid()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: die_with_parent(parent),  # a killed soak or test run leaves no server behind
+        )
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> LaunchedServer:

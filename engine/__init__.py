@@ -18,6 +18,7 @@ from engine.api import (
     StepRecord,
     StreamDelta,
 )
+from engine.child_process import die_with_parent, exit_when_orphaned
 from engine.device.cpu_threads import default_torch_threads
 from engine.distributed.launcher import run_worker_node
 from engine.engine import Engine
@@ -38,7 +39,7 @@ from engine.recorder.replay import ReplayReport, replay
 from engine.recorder.ring import load_dump
 from engine.sampling import SamplingParams
 from engine.scheduler.step import FORWARD_ANNOTATION, SyncScheduler
-from engine.server_args import GRAMMAR_BACKENDS, ServerArgs
+from engine.server_args import GRAMMAR_BACKENDS, ServerArgs, default_mem_fraction
 
 __all__ = [
     "FORWARD_ANNOTATION",
@@ -68,7 +69,10 @@ __all__ = [
     "StepRecord",
     "StreamDelta",
     "SyncScheduler",
+    "default_mem_fraction",
     "default_torch_threads",
+    "die_with_parent",
+    "exit_when_orphaned",
     "load_dump",
     "replay",
     "resolve_model",

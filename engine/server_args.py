@@ -36,6 +36,18 @@ _DTYPES = {
 FLIGHT_RECORDER_DIR_ENV = "ASYNCLLM_FLIGHT_RECORDER_DIR"
 
 
+# The KV pool's share of free memory when `mem_fraction_static` is not given. A CPU's memory is the
+# host's, shared with everything else on it: a tenth. A GPU's is the engine's alone, and a serving
+# engine on a GPU is expected to fill it (SGLang's default, a share of the whole card, is 0.8-0.9):
+# 0.8 of what is free after the weights and the decode graphs' reserve leaves the rest to prefill
+# activations and the allocator's fragmentation.
+DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.8}
+
+
+def default_mem_fraction(device_type: str) -> float:
+    return DEFAULT_MEM_FRACTION.get(device_type, DEFAULT_MEM_FRACTION["cpu"])
+
+
 @dataclass
 class ServerArgs:
     model_path: str = "smollm2-135m"
@@ -44,7 +56,9 @@ class ServerArgs:
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_running_requests: int = 128
     max_total_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction_static
-    mem_fraction_static: float | None = None  # share of free memory for the KV pool
+    # Share of the free memory (after the weights) for the KV pool; None: the device's default
+    # (`default_mem_fraction`).
+    mem_fraction_static: float | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = 2048  # None or -1 disables chunking
     page_size: int = 1

@@ -104,7 +104,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     ws.add_routes(app)
     admin_api.add_routes(app)
     dashboard.add_routes(app)  # GET /dashboard and its live feed, GET /dashboard/ws
-    openapi.add_routes(app)  # GET /openapi.json, built on startup from every route
+    openapi.add_routes(app, secured=bool(config.api_key))  # GET /openapi.json, built on startup from every route
     if config.enable_metrics:
         app.router.add_get("/metrics", _metrics_handler)
     return app

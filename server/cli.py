@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-total-tokens", type=positive_int, help="KV cache pool size in tokens; overrides --mem-fraction-static"
     )
     g.add_argument(
-        "--mem-fraction-static", type=fraction, help="share of free memory given to the KV cache pool (default: 0.1)"
+        "--mem-fraction-static",
+        type=fraction,
+        help="share of free memory after the weights for the KV cache pool (default: 0.1 on a CPU, 0.8 on a GPU)",
     )
     g.add_argument("--max-prefill-tokens", type=positive_int, help="token budget of one prefill batch (default: 16384)")
     g.add_argument(

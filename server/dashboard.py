@@ -25,7 +25,8 @@ newer ones (dropped), never queued, and never hold the others up.
 
 Auth: behind the API key like everything else, but a browser can set no header on a page load or
 a WebSocket handshake, so these two paths also take the key as `?api_key=` (`query_key_ok`, used by
-the middleware in server/app.py); the page passes its own query key on to the socket. A key in a
+the middleware in server/app.py); the page passes its own query key on to the socket (and `dp_rank`,
+which picks the replica behind a --dp-size front end: server/dp/dashboard.py). A key in a
 URL is masked in the access log (`RedactingAccessLogger`) but stays in the browser's history: a
 client that can set the header should.
 """
@@ -40,6 +41,7 @@ import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +265,7 @@ class _Page(msgspec.Struct):
     csp: str
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 FEED: web.AppKey[Feed] = web.AppKey("dashboard_feed", Feed)
 PAGE: web.AppKey[_Page] = web.AppKey("dashboard_page", _Page)
 
@@ -314,15 +317,32 @@ async def _close_feeds(app: web.Application) -> None:
     await app[FEED].close_all()
 
 
+def add_page(app: web.Application, handler: Handler = dashboard_page) -> None:
+    """GET /dashboard, the page assembled once. The --dp-size front end serves the same page with
+    its own feed (server/dp/dashboard.py); its `handler` checks the replica asked for first."""
+    body, csp = build_page()
+    app[PAGE] = _Page(body, csp)
+    app.router.add_get(DASHBOARD_PATH, handler)
+
+
 def add_routes(app: web.Application) -> None:
     """GET /dashboard and GET /dashboard/ws; needs `app[STATE]` (server/app.py sets it first)."""
     state = app[STATE]
-    body, csp = build_page()
-    app[PAGE] = _Page(body, csp)
+    add_page(app)
     app[FEED] = Feed(state.engine, state.config.model_name)
-    app.router.add_get(DASHBOARD_PATH, dashboard_page)
     app.router.add_get(FEED_PATH, dashboard_feed)
     app.on_shutdown.append(_close_feeds)
 
 
-__all__ = ["DASHBOARD_PATH", "FEED_PATH", "INTERVAL", "Feed", "add_routes", "build_page", "query_key_ok"]
+__all__ = [
+    "DASHBOARD_PATH",
+    "FEED_PATH",
+    "HEARTBEAT",
+    "INTERVAL",
+    "Feed",
+    "add_page",
+    "add_routes",
+    "build_page",
+    "dashboard_page",
+    "query_key_ok",
+]

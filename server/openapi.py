@@ -58,7 +58,6 @@ from server.protocol_tokens import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
-from server.state import STATE
 
 OPENAPI_PATH = "/openapi.json"
 
@@ -222,7 +221,15 @@ _QUERY_KEY = {  # server/dashboard.py: a browser sets no header on a page load o
             "required": False,
             "description": "the API key, instead of the Authorization header (these dashboard routes only)",
             "schema": {"type": "string"},
-        }
+        },
+        {  # server/dp/dashboard.py
+            "name": "dp_rank",
+            "in": "query",
+            "required": False,
+            "description": "behind a --dp-size front end, the replica whose dashboard this is (default 0); "
+            "a single server ignores it",
+            "schema": {"type": "integer", "minimum": 0},
+        },
     ]
 }
 
@@ -406,16 +413,17 @@ async def _openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI].body, content_type="application/json")
 
 
-async def _build_on_startup(app: web.Application) -> None:
-    secured = bool(app[STATE].config.api_key)
-    app[OPENAPI].body = msgspec.json.encode(build_openapi(app_routes(app), secured=secured))
-
-
-def add_routes(app: web.Application) -> None:
-    """GET /openapi.json; the document is built on startup, once every route is registered."""
+def add_routes(app: web.Application, *, secured: bool) -> None:
+    """GET /openapi.json; the document is built on startup, once every route is registered.
+    `secured`: an API key is set. Used by a single server (server/app.py) and by the --dp-size
+    front end (server/dp/frontend.py), which serves the same routes and so the same document."""
     app[OPENAPI] = _Document()
     app.router.add_get(OPENAPI_PATH, _openapi)
-    app.on_startup.append(_build_on_startup)
+
+    async def build_on_startup(app: web.Application) -> None:
+        app[OPENAPI].body = msgspec.json.encode(build_openapi(app_routes(app), secured=secured))
+
+    app.on_startup.append(build_on_startup)
 
 
 __all__ = ["OPENAPI_PATH", "add_routes", "app_routes", "build_openapi"]

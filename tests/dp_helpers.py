@@ -16,6 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from bench.soak_server import LaunchError, wait_healthy
+from engine.child_process import die_with_parent
 from tests.server_helpers import REPO, free_port, get_json, server_env
 
 START_TIMEOUT = 180.0  # two replicas loading at once on a busy 2-core machine
@@ -32,8 +33,15 @@ class GroupProcess:
 
     def launch(self) -> GroupProcess:
         with open(self.log_path, "ab") as log:
+            parent = os.getpid()
             self.proc = subprocess.Popen(
-                self.cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd,
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: die_with_parent(parent),  # a killed test run leaves no server behind
             )
         return self
 
@@ -90,6 +98,7 @@ class DPServer(GroupProcess):
 def run_controller(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """Run `python -m server ARGS` to its end in its own process group (killed on timeout);
     (exit status, stdout, stderr)."""
+    parent = os.getpid()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", *args],
         cwd=REPO,
@@ -98,6 +107,7 @@ def run_controller(*args: str, timeout: float = 120.0, env: dict[str, str] | Non
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: die_with_parent(parent),
     )
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import msgspec
 import pytest
@@ -190,9 +189,7 @@ async def test_stop_of_wedged_actor_cancels_within_timeout() -> None:
         a.start()
         a.send(Ping(1))
         await a.entered.wait()
-        t0 = time.monotonic()
-        await a.stop(timeout=0.1)
-        assert time.monotonic() - t0 < 1.0
+        await a.stop(timeout=0.1)  # the event is never set: only the cancellation can end the actor
         assert a.cancelled and not a.running and a.state is ActorState.STOPPED
 
 
@@ -214,9 +211,8 @@ async def test_stop_all_reverse_order_finishes_with_wedged_actor() -> None:
         sysm.start_all()
         wedged.send(Ping(0))
         await wedged.entered.wait()
-        t0 = time.monotonic()
-        await sysm.stop_all()
-        assert time.monotonic() - t0 < 2.0
+        await sysm.stop_all()  # returns at all only because the wedged actor is cancelled
+        assert wedged.cancelled
         assert order == ["last", "first"]
         assert not any(a.running for a in sysm.actors)
         assert sysm.healthy  # a stop timeout is not a crash

@@ -236,13 +236,11 @@ async def test_shutdown_closes_open_dashboards(tiny_model_dir, tmp_path):
     try:
         async with aiohttp.ClientSession() as s, s.ws_connect(srv.url + "/dashboard/ws") as ws:
             assert len(await snapshots(ws, 0.5)) >= 3
-            t0 = time.monotonic()
             srv.signal(signal.SIGTERM)
             async with asyncio.timeout(10):
                 while (await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
                     pass
             assert ws.close_code == 1001
-        assert await asyncio.to_thread(srv.proc.wait, 15) == 0
-        assert time.monotonic() - t0 < 10, srv.log_tail()
+        assert await asyncio.to_thread(srv.proc.wait, 15) == 0, srv.log_tail()  # 15: a hang guard
     finally:
         srv.stop()

@@ -67,11 +67,17 @@ async def test_results_fifo_and_resolve_in_order(cpu_stream: CpuDeviceStream) ->
 
 
 async def test_launch_returns_before_work_and_loop_keeps_running(cpu_stream: CpuDeviceStream) -> None:
-    t0 = time.perf_counter()
-    handle = cpu_stream.launch(lambda: time.sleep(0.2) or "slept")
-    launch_s = time.perf_counter() - t0
-    assert launch_s < 0.05
-    assert not handle.done()
+    gate, finished = threading.Event(), threading.Event()
+
+    def work() -> str:
+        gate.wait(TIMEOUT)
+        time.sleep(0.2)  # still running while the loop ticks below
+        finished.set()
+        return "slept"
+
+    handle = cpu_stream.launch(work)
+    assert not finished.is_set() and not handle.done()  # launch returned before the work ran
+    gate.set()
     async with asyncio.timeout(TIMEOUT):
         ticks = await _tick_while_pending(handle)
         assert await handle == "slept"

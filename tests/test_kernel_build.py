@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.child_process import die_with_parent
 from engine.kernels import cached_build as build
 
 # torch's builder defines TORCH_EXTENSION_NAME (the cache folder's name); the module's init
@@ -74,8 +75,14 @@ print("answer", m.answer())
 
 def _start(src: Path, cache: Path, code: str = LOADER) -> subprocess.Popen:
     env = {**os.environ, "ASYNCLLM_KERNEL_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    parent = os.getpid()
     return subprocess.Popen(
-        [sys.executable, "-c", code, str(src)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(src)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: die_with_parent(parent),
     )
 
 

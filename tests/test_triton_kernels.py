@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.child_process import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ROOT / "tests" / "triton_checks.py"
 TIMEOUT_S = 240
@@ -34,6 +36,7 @@ def _env(interpret: bool) -> dict[str, str]:
 
 
 def _spawn(args: list[str], interpret: bool) -> subprocess.Popen:
+    parent = os.getpid()
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
@@ -41,6 +44,7 @@ def _spawn(args: list[str], interpret: bool) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=lambda: die_with_parent(parent),
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -111,6 +112,7 @@ class WorkerProcesses:
                 f"--threads={threads}",
                 f"--local-size={layout.per_node}",
                 f"--options={options}",
+                f"--parent-pid={os.getpid()}",
             ]
             self.procs[rank] = subprocess.Popen(cmd)
             log.info("tensor-parallel rank %d: pid %d, %d torch thread(s)", rank, self.procs[rank].pid, threads)

@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from engine.child_process import exit_when_orphaned
 from engine.distributed.launcher import RENDEZVOUS_S
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStop, decode
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--local-size", type=int, required=True)
     p.add_argument("--options", required=True, help="the engine's ServerArgs as JSON")
+    p.add_argument("--parent-pid", type=int, required=True, help="the process that started this rank")
     ns = p.parse_args(argv)
+    # Forked from whichever thread loaded the model (so no PR_SET_PDEATHSIG): a rank whose engine was
+    # killed must not wait out a rendezvous or a forward; a collective fails too, but not mid-load.
+    exit_when_orphaned(ns.parent_pid)
     args = ServerArgs(**json.loads(ns.options))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{ns.rank} %(name)s: %(message)s")
     torch.set_num_threads(ns.threads)

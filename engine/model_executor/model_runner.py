@@ -46,7 +46,7 @@ from engine.model_executor.prompt_logprobs import PromptLogprobsOut, score_promp
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
-from engine.server_args import ServerArgs
+from engine.server_args import ServerArgs, default_mem_fraction
 from engine.speculative.verify import verify_batch
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,9 @@ class ModelRunner:
         else:
             # The tensor-parallel ranks on this host share its memory: each budgets its part.
             free_bytes = psutil.virtual_memory().available // self.tp.local_size
-        mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.1
+        mem_fraction = args.mem_fraction_static
+        if mem_fraction is None:
+            mem_fraction = default_mem_fraction(self.device.type)
         size = kv_pool_size_from_budget(args.max_total_tokens, mem_fraction, per_token, args.page_size, free_bytes)
         # Slots are allocated on rank 0 and name the same slot on every rank: one size for all.
         size = min(self.tp.all_gather_object(size))

@@ -37,6 +37,7 @@ from server.dp.process import ReplicaStartError
 from server.dp.replica import Replica
 from server.dp.resources import ResourceError
 from server.dp.supervisor import STOP_GRACE_S, Supervisor
+from server.http_protocol import RedactingAccessLogger
 
 log = logging.getLogger("server.dp")
 
@@ -174,6 +175,7 @@ class Controller:
             handler_cancellation=True,  # a client that leaves closes the upstream stream
             shutdown_timeout=config.graceful_shutdown_timeout,
             keepalive_timeout=config.timeout_keep_alive,
+            access_log_class=RedactingAccessLogger,  # the dashboard's `?api_key=` masked, as on a single server
         )
         await runner.setup()
         try:

@@ -12,6 +12,10 @@ replicas, so both speak the same API and route the same way, plus what only a co
 - GET /metrics: on unless --disable-metrics, as a single server (the flag reaches the replicas
   too): the router's metrics and every replica's, labelled by `dp_rank` (`server/dp/metrics.py`).
 - GET /get_load: every replica's load entry, its `dp_rank` the replica's index (the router's).
+- GET /openapi.json: a single server's document, built by the same code (`server/openapi.py`)
+  from this app's routes, which are a single server's (the router's plus the two below).
+- GET /dashboard, GET /dashboard/ws: a single server's page, fed by one replica's own feed
+  (`?dp_rank=`, default 0), relayed, with links to every replica's (`server/dp/dashboard.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from typing import Any
 
 from aiohttp import web
 
+from server import openapi
 from server.config import ServerConfig
+from server.dashboard import DASHBOARD_PATH, FEED_PATH
+from server.dp import dashboard
 from server.dp.metrics import metrics_handler
 from server.dp.replica import Replica
 from server.dp.supervisor import Supervisor
@@ -35,6 +42,7 @@ def router_config(config: ServerConfig, urls: Sequence[str]) -> RouterConfig:
         policy=config.load_balance_method,
         api_key=config.api_key,
         enable_metrics=False,  # the front end serves its own /metrics (the merged one), unless disabled
+        query_key_paths=(DASHBOARD_PATH, FEED_PATH),  # a browser's `?api_key=`, as on a single server
     )
 
 
@@ -57,6 +65,8 @@ def build_frontend(config: ServerConfig, supervisor: Supervisor, placement: str)
     if config.enable_metrics:
         app.router.add_get("/metrics", metrics_handler)
     router = app[ROUTER]
+    dashboard.add_routes(app, lambda: dp_section(replicas, router, placement)["dp"], config.model_name)
+    openapi.add_routes(app, secured=bool(config.api_key))  # last: built on startup from every route
 
     def on_down(replica: Replica, why: str) -> None:
         router.set_health(router.workers[replica.index], False, f" (replica {replica.index} {why})")

@@ -6,17 +6,17 @@ a prefix): a pipe needs a reader that never falls behind, or a chatty replica bl
 pipe; a file needs nothing, survives the controller, and its tail is what the controller prints
 when a replica fails to start. A restart appends to the same file after a marker line.
 
-Why `PR_SET_PDEATHSIG` (Linux): if the process that started the replica dies without stopping it
-(the controller or a Ray actor killed with SIGKILL), the kernel sends the replica SIGTERM, so it
-drains and exits instead of holding its port and memory forever. The signal follows the thread
-that forked the child: both users fork from their event-loop thread, which lives as long as they do.
+Why `die_with_parent` (engine/child_process.py, Linux `PR_SET_PDEATHSIG`): if the process that
+started the replica dies without stopping it (the controller or a Ray actor killed with SIGKILL),
+the kernel sends the replica SIGTERM, so it drains and exits instead of holding its port and memory
+forever. The signal follows the thread that forked the child: both users fork from their
+event-loop thread, which lives as long as they do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -27,30 +27,10 @@ from pathlib import Path
 
 import aiohttp
 
-PR_SET_PDEATHSIG = 1
+from engine import die_with_parent
+
 POLL_S = 0.2  # readiness poll interval
 MARKER = "=== asyncllm dp: launch"
-
-
-def _prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-PRCTL = _prctl()  # resolved here, not in the child between fork and exec
-
-
-def die_with_parent(parent: int) -> None:
-    """Runs in the child before exec: SIGTERM when the parent thread dies (and at once if the
-    parent is already gone)."""
-    if PRCTL is not None:
-        PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ReplicaStartError(RuntimeError):
@@ -193,4 +173,4 @@ class ServerProcess:
         return found[-1].removeprefix("error:").strip() if found else None
 
 
-__all__ = ["MARKER", "ReplicaStartError", "ServerProcess", "die_with_parent", "free_port"]
+__all__ = ["MARKER", "ReplicaStartError", "ServerProcess", "free_port"]

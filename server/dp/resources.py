@@ -7,7 +7,7 @@ descheduled thread) and ask for N times the memory. So, on a CPU, unless the use
 
 - threads: `max(1, default_threads // N)`, the default computed as the engine computes it
   (`default_torch_threads`: affinity, SMT siblings once, cgroup quota);
-- KV pool: `--mem-fraction-static` (the user's, or the engine's default 0.1) divided by N,
+- KV pool: `--mem-fraction-static` (the user's, or the engine's default for the device) divided by N,
   unless `--max-total-tokens` fixes the pool in tokens (then each replica gets that many).
 
 On CUDA each replica gets its own GPU(s) and the full fraction: `--device cuda:i` for replica i
@@ -28,8 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The engine's KV fraction when none is given (`--mem-fraction-static`'s documented default).
-ENGINE_DEFAULT_MEM_FRACTION = 0.1
+from engine import default_mem_fraction
 
 
 class ResourceError(ValueError):
@@ -71,12 +70,12 @@ def _on_cuda(device: str, machine: Machine) -> bool:
     return device.startswith("cuda") or (device == "auto" and bool(machine.gpus))
 
 
-def _shared_fraction(options: Mapping[str, Any], n: int) -> float | None:
+def _shared_fraction(options: Mapping[str, Any], n: int, device_type: str) -> float | None:
     """The KV fraction of one of n replicas sharing a device; None when the pool is in tokens."""
     if options.get("max_total_tokens") is not None:
         return None
     base = options.get("mem_fraction_static")
-    return (ENGINE_DEFAULT_MEM_FRACTION if base is None else float(base)) / n
+    return (default_mem_fraction(device_type) if base is None else float(base)) / n
 
 
 def plan_replicas(n: int, options: Mapping[str, Any], machine: Machine, ray: bool = False) -> list[ReplicaPlan]:
@@ -96,7 +95,7 @@ def plan_replicas(n: int, options: Mapping[str, Any], machine: Machine, ray: boo
         # `--torch-threads` is per forward thread, i.e. per tensor-parallel rank: the n replicas'
         # n * tp ranks share the cores.
         threads = int(user_threads) if user_threads is not None else max(1, machine.cpu_threads // (n * tp))
-        fraction = _shared_fraction(options, n)
+        fraction = _shared_fraction(options, n, "cpu")
         return [
             ReplicaPlan(i, torch_threads=threads, mem_fraction_static=fraction, bundle={"CPU": float(threads * tp)})
             for i in range(n)
@@ -104,7 +103,7 @@ def plan_replicas(n: int, options: Mapping[str, Any], machine: Machine, ray: boo
     if ray:  # Ray picks each bundle's GPUs and hides the others from the actor
         return [ReplicaPlan(i, device="cuda", bundle={"CPU": 1.0, "GPU": float(tp)}) for i in range(n)]
     if device.startswith("cuda:"):  # one GPU named by the user: shared, like a CPU
-        fraction = _shared_fraction(options, n)
+        fraction = _shared_fraction(options, n, "cuda")
         return [ReplicaPlan(i, mem_fraction_static=fraction) for i in range(n)]
     need = n * tp
     if need > len(machine.gpus):
@@ -134,4 +133,4 @@ def probe_machine(options: Mapping[str, Any]) -> Machine:
     return Machine(cpu_threads=default_torch_threads(), gpus=gpus)
 
 
-__all__ = ["ENGINE_DEFAULT_MEM_FRACTION", "Machine", "ReplicaPlan", "ResourceError", "plan_replicas", "probe_machine"]
+__all__ = ["Machine", "ReplicaPlan", "ResourceError", "plan_replicas", "probe_machine"]

@@ -9,6 +9,12 @@ first try. Once a stream has started the status line is spent, so a worker lost 
 ends the client's stream with an error event in OpenAI's shape, then `[DONE]`: never a hang,
 never a stream that just stops. Run it with `handler_cancellation=True`: a client that goes
 away cancels its handler, which closes the upstream connection, so the worker aborts too.
+
+Routes: every route a single server has, but /dashboard (and its feed) and /openapi.json, which
+need the engine's modules: the --dp-size front end adds those (server/dp/frontend.py). Proxied to
+one worker: generations, embeddings, tokenizer; sent to every worker: /flush_cache,
+/abort_request, the profiler and the flight recorder; aggregated: /health, /get_server_info,
+/get_load, /metrics. Anything else is a 404 (405 for a wrong method) naming the route.
 """
 
 from __future__ import annotations
@@ -32,12 +38,15 @@ log = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
-_OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+EMBEDDING_ROUTES = ("/v1/embeddings", "/encode")  # routed like a generation (on "": the least loaded)
+ADMIN_ROUTES = ("/start_profile", "/stop_profile", "/dump_flight_recorder")  # to every worker, as SGLang's DP
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # probes, scrapers and client generators need no key
 _FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _DONE = b"data: [DONE]"
 WORKER_HEADER = "X-Router-Worker"  # which worker answered: for operators and tests
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+_ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=120.0)  # a long profile takes seconds to write
 
 
 class _Retry(Exception):
@@ -51,6 +60,12 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
     except RouterError as e:
         request.app[ROUTER].metrics.errors.labels(str(e.code)).inc()
         return e.response()
+    except web.HTTPNotFound:
+        return RouterError(404, f"no route {request.method} {request.path} on the router").response()
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message = f"{request.method} is not allowed on {request.path} (allowed: {allowed})"
+        return RouterError(405, message, code="method_not_allowed").response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -63,14 +78,18 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
         return RouterError(500, f"internal router error: {type(e).__name__}: {e}").response()
 
 
-def _api_key_middleware(key: str):
+def _api_key_middleware(key: str, query_key_paths: tuple[str, ...]):
     expected = f"Bearer {key}".encode()
+
+    def query_key_ok(request: web.Request) -> bool:  # the dashboard's `?api_key=` (server/dashboard.py)
+        given = request.query.get("api_key", "") if request.path in query_key_paths else ""
+        return hmac.compare_digest(given.encode(), key.encode())
 
     @web.middleware
     async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
         if not request.path.startswith(_OPEN_PATHS):
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            if not hmac.compare_digest(given, expected) and not query_key_ok(request):
                 raise RouterError(
                     401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "invalid_api_key"
                 )
@@ -221,11 +240,15 @@ async def _worker_info(router: Router, worker: Worker, headers: dict[str, str]) 
 
 def aggregate(workers: list[Worker], infos: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Per worker its URL, health, in-flight count and own info; summed counters; the cache hit
-    rate weighted by `prompt_tokens` when the workers report it, else their plain mean."""
+    rate weighted by `prompt_tokens` when the workers report it, else their plain mean. Also a
+    single server's keys: `version` (the first worker's) and `internal_states`, one entry per
+    worker's engine with `dp_rank` its index (SGLang's data-parallel /get_server_info)."""
     totals = {"running_requests": 0, "waiting_requests": 0, "generated_tokens": 0}
     rates: list[tuple[float, float | None]] = []
-    for info in infos:
+    states: list[dict[str, Any]] = []
+    for rank, info in enumerate(infos):
         for st in (info or {}).get("internal_states") or []:
+            states.append({**st, "dp_rank": rank})
             for key in totals:
                 totals[key] += int(st.get(key) or 0)
             if isinstance(st.get("cache_hit_rate"), (int, float)):
@@ -237,13 +260,16 @@ def aggregate(workers: list[Worker], infos: list[dict[str, Any] | None]) -> dict
             hit_rate = sum(r * (w or 0.0) for r, w in rates) / sum(w or 0.0 for _, w in rates)
         else:
             hit_rate = sum(r for r, _ in rates) / len(rates)
+    version = next((info["version"] for info in infos if info and isinstance(info.get("version"), str)), None)
     return {
+        "version": version,
         "workers": [
             {"url": w.url, "healthy": w.healthy, "inflight": w.inflight, "server_info": info}
             for w, info in zip(workers, infos, strict=True)
         ],
         **totals,
         "cache_hit_rate": hit_rate,
+        "internal_states": states,
     }
 
 
@@ -258,30 +284,48 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
-async def broadcast(request: web.Request) -> web.Response:
-    """POST the same body to every healthy worker (/flush_cache; /abort_request, since only the
-    worker that holds a rid has it); success only if all of them succeeded."""
-    router = request.app[ROUTER]
-    assert router.session is not None
-    headers = _forward_headers(request, router)
-    body = await request.read()
+def broadcaster(timeout: aiohttp.ClientTimeout):
+    """A handler that POSTs the same body to every healthy worker (/flush_cache; /abort_request,
+    since only the worker that holds a rid has it; the profiler and flight recorder endpoints,
+    each worker writing its own file); success only if all of them succeeded. The answer holds
+    the first worker's own keys (so it has a single server's shape: `trace`, `path`, ...),
+    `success` for them all and `workers`, each worker's status and body."""
 
-    async def one(worker: Worker) -> dict[str, Any]:
-        if not worker.healthy:
-            return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
-        try:
-            async with router.session.post(
-                worker.url + request.path, data=body, headers=headers, timeout=_INFO_TIMEOUT
-            ) as r:
-                return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            return {"url": worker.url, "status": None, "success": False, "message": f"{type(e).__name__}: {e}"}
+    async def broadcast(request: web.Request) -> web.Response:
+        router = request.app[ROUTER]
+        assert router.session is not None
+        session = router.session
+        headers = _forward_headers(request, router)
+        body = await request.read()
 
-    results = await asyncio.gather(*(one(w) for w in router.workers))
-    ok = any(r["success"] for r in results) and all(r["success"] or r["status"] is None for r in results)
-    if not ok and all(r["status"] == 400 for r in results if r["status"] is not None):
-        return web.Response(body=results[0]["body"], status=400, content_type="application/json")
-    return web.json_response({"success": ok, "workers": results}, status=200 if ok else 502)
+        async def one(worker: Worker) -> dict[str, Any]:
+            if not worker.healthy:
+                return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
+            try:
+                async with session.post(worker.url + request.path, data=body, headers=headers, timeout=timeout) as r:
+                    return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                return {"url": worker.url, "status": None, "success": False, "message": f"{type(e).__name__}: {e}"}
+
+        results = await asyncio.gather(*(one(w) for w in router.workers))
+        answered = [r for r in results if r["status"] is not None]
+        if not answered and not any(w.healthy for w in router.workers):
+            raise no_healthy_worker()
+        ok = any(r["success"] for r in results) and all(r["success"] or r["status"] is None for r in results)
+        if not ok and answered and all(r["status"] == 400 for r in answered):  # e.g. no profile running
+            return web.Response(body=answered[0]["body"], status=400, content_type="application/json")
+        first: Any = next((_json_or_none(r["body"]) for r in results if r["success"]), None)
+        first = first if isinstance(first, dict) else {}
+        return web.json_response({**first, "success": ok, "workers": results}, status=200 if ok else 502)
+
+    return broadcast
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 async def _worker_load(router: Router, worker: Worker, headers: dict[str, str]) -> list[Any]:
@@ -318,7 +362,7 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
     """
     middlewares = [errors_middleware]
     if config.api_key:
-        middlewares.append(_api_key_middleware(config.api_key))
+        middlewares.append(_api_key_middleware(config.api_key, config.query_key_paths))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     router = app[ROUTER] = Router(config)
     router.extra_info = extra_info
@@ -334,11 +378,27 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
         app.router.add_post(path, proxy)
     app.router.add_get("/get_load", get_load)
     app.router.add_get("/get_server_info", server_info)
+    for path in EMBEDDING_ROUTES:
+        app.router.add_post(path, proxy)
+    app.router.add_get("/server_info", server_info)  # SGLang's alias, as a single server
+    broadcast, admin_broadcast = broadcaster(_INFO_TIMEOUT), broadcaster(_ADMIN_TIMEOUT)
     for path in ("/flush_cache", "/abort_request"):
         app.router.add_post(path, broadcast)
+    app.router.add_get("/flush_cache", broadcast)  # a single server takes both; the workers get a POST
+    for path in ADMIN_ROUTES:
+        app.router.add_post(path, admin_broadcast)
     if config.enable_metrics:
         app.router.add_get("/metrics", metrics)
     return app
 
 
-__all__ = ["GENERATION_ROUTES", "TOKENIZER_ROUTES", "WORKER_HEADER", "aggregate", "build_router_app", "proxy"]
+__all__ = [
+    "ADMIN_ROUTES",
+    "EMBEDDING_ROUTES",
+    "GENERATION_ROUTES",
+    "TOKENIZER_ROUTES",
+    "WORKER_HEADER",
+    "aggregate",
+    "build_router_app",
+    "proxy",
+]

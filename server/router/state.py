@@ -40,6 +40,9 @@ class RouterConfig:
     health_check_timeout: float = 2.0
     api_key: str | None = None
     enable_metrics: bool = True  # GET /metrics (the --dp-size front end serves its own instead)
+    # Paths that also take the key as `?api_key=`: the --dp-size front end's dashboard (a browser
+    # sets no header on a page load or a WebSocket handshake; server/dashboard.py).
+    query_key_paths: tuple[str, ...] = ()
 
 
 class Router:

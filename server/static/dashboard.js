@@ -53,11 +53,35 @@
 
   // ---- the feed ---------------------------------------------------------------------------------
 
+  // The page's own `api_key` and, behind a --dp-size front end, `dp_rank` (which replica), kept
+  // on the feed's URL and on the links to the other replicas.
+  function query(rank) {
+    const params = new URLSearchParams(location.search);
+    const key = params.get("api_key");
+    const parts = [];
+    if (rank !== null) parts.push("dp_rank=" + encodeURIComponent(rank));
+    if (key) parts.push("api_key=" + encodeURIComponent(key));
+    return parts.length ? "?" + parts.join("&") : "";
+  }
+
   function feedUrl() {
-    const key = new URLSearchParams(location.search).get("api_key");
     const path = location.pathname.replace(/\/+$/, "") + "/ws";
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
-    return proto + "//" + location.host + path + (key ? "?api_key=" + encodeURIComponent(key) : "");
+    return proto + "//" + location.host + path + query(new URLSearchParams(location.search).get("dp_rank"));
+  }
+
+  function showReplicas(dp) { // the front end's hello: this replica, and links to every replica's dashboard
+    const nav = $("replicas");
+    nav.replaceChildren();
+    for (const r of dp.replicas) {
+      const a = document.createElement("a");
+      a.href = location.pathname + query(String(r.index));
+      a.textContent = "replica " + r.index;
+      a.className = (r.index === dp.rank ? "current " : "") + (r.healthy ? "up" : "down");
+      a.title = [r.healthy ? "healthy" : "down", r.restarts + " restarts", r.device].filter(Boolean).join(", ");
+      nav.appendChild(a);
+    }
+    nav.hidden = false;
   }
 
   function setConn(state, text) {
@@ -96,6 +120,7 @@
     if (f.type === "hello") {
       $("model").textContent = f.model;
       steps = f.steps.slice(-HISTORY);
+      if (f.dp) showReplicas(f.dp);
     } else if (f.type === "snapshot") {
       onSnapshot(f);
     } else if (f.type === "error") {
