@@ -9,8 +9,10 @@ streaming) runs beside it instead of waiting between ops.
 
 When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
 one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers with SiLU (projection
-biases as Qwen2 has them and Qwen3's q/k norm included), every projection in our 4-bit form and/or
-prepacked for oneDNN, and a bf16 KV pool.
+biases as Qwen2 has them and Qwen3's q/k norm included; `model.llama_layers`: not Granite's
+residual multiplier nor OLMo 2's post-norms and whole q/k norm; Phi-3 once its fused tensors are
+split, unless its rotary is partial, which has no fused form), every projection in our 4-bit form
+and/or prepacked for oneDNN, and a bf16 KV pool.
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 and, where some projection has only its 4-bit form, it has at most that form's row bound of
@@ -75,6 +77,8 @@ class FusedDecodeLayers:
         cfg = model.cfg
         if module is None or not hasattr(module, "DecodeLayers") or model.tp.size != 1 or not model.fused:
             return None
+        if not model.llama_layers:  # a layer shape the loop does not implement (Granite, OLMo 2)
+            return None
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             return None
         layers = model.layers
@@ -89,9 +93,7 @@ class FusedDecodeLayers:
         if len(q4_bounds) > 1:
             return None
         q4_rows = q4_bounds.pop() if q4_bounds else 0
-        native = module.DecodeLayers(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5
-        )
+        native = module.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.softmax_scale)
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
             qk_norm = layer.self_attn.qk_norm
             native.add_layer(

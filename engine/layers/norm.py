@@ -28,6 +28,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(input_dtype)
 
 
+def rms_norm_weight_first(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo 2's RMSNorm: as `rms_norm` but the weight multiplies the fp32 rows before the cast
+    (`(weight * h).to(dtype)`; the same bits as `rms_norm` in fp32, one rounding fewer in bf16)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return (weight * h).to(input_dtype)
+
+
 def add_rms_norm(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +59,20 @@ def fused_norm_applies(hidden_size: int, device: torch.device, dtype: torch.dtyp
 
 
 class RMSNorm(nn.Module):
-    """`weight * normalize(x)` over the last dim of `[T, N]` rows."""
+    """`weight * normalize(x)` over the last dim of `[T, N]` rows.
 
-    def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    `weight_before_cast`: OLMo 2's order (`rms_norm_weight_first`, torch ops: the fused kernel
+    rounds before the weight, as Llama's RMSNorm does)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype, weight_before_cast: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.uses_cpu_kernel = fused_norm_applies(hidden_size, device, dtype)
-        self._norm = cpu_elementwise.rms_norm if self.uses_cpu_kernel else rms_norm
+        self.uses_cpu_kernel = not weight_before_cast and fused_norm_applies(hidden_size, device, dtype)
+        torch_form = rms_norm_weight_first if weight_before_cast else rms_norm
+        self._norm = cpu_elementwise.rms_norm if self.uses_cpu_kernel else torch_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)

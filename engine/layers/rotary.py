@@ -7,6 +7,11 @@ order as transformers, which keeps fp32 greedy outputs token-identical; each lay
 its q|k slab (`forward`): in the fused C++ op for bf16 on a CPU whose kernels built (head size a
 multiple of 32; bit-identical to the torch ops), else in torch ops. The choice is made at
 construction, from the model's device and dtype.
+
+Two variants, both in torch ops: partial rotary (`partial_rotary_factor`, Phi-3/Phi-4-mini: only
+each head's first `rotary_dim` channels turn, the rest pass through, as transformers' Phi-3 does)
+and `fp32_tables` (OLMo 2: cos/sin stay fp32, so the rotation is computed in fp32 and rounded
+once to the model dtype; identical to the other form in fp32).
 """
 
 from __future__ import annotations
@@ -30,16 +35,28 @@ def _rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
+def _partial_rotary_factor(config: PretrainedConfig, params: dict) -> float:
+    return float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables for a forward's positions, and the rotation of each layer's q|k heads."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        fp32_tables: bool = False,
+    ) -> None:
         super().__init__()
         params = _rope_parameters(config)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            dim = int(head_dim * _partial_rotary_factor(config, params))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
         else:
             if rope_type == "dynamic":
@@ -48,13 +65,24 @@ class RotaryEmbedding(nn.Module):
         # fp32 whatever the model dtype; a plain attribute, not a buffer, so no cast ever reaches it
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
         self.device, self.dtype = torch.device(device), dtype  # the model's: layers built beside it use them
-        self.uses_cpu_kernel = head_dim % cpu_elementwise.ROTARY_HEAD_DIM_MULTIPLE == 0 and cpu_elementwise.available(
-            device, dtype
+        self.rotary_dim = 2 * self.inv_freq.numel()  # head_dim, or its rotated part (partial rotary)
+        self.table_dtype = torch.float if fp32_tables else dtype
+        plain = self.rotary_dim == head_dim and not fp32_tables
+        self.uses_cpu_kernel = (
+            plain
+            and head_dim % cpu_elementwise.ROTARY_HEAD_DIM_MULTIPLE == 0
+            and cpu_elementwise.available(device, dtype)
         )
-        self._rotate = cpu_elementwise.rotary if self.uses_cpu_kernel else apply_rotary
+        if self.uses_cpu_kernel:
+            self._rotate = cpu_elementwise.rotary
+        elif self.rotary_dim != head_dim:
+            self._rotate = self._rotate_partial
+        else:
+            self._rotate = apply_rotary if not fp32_tables else _apply_rotary_cast
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and *signed* sin in the model dtype, each [num_tokens, head_dim], for flat token positions.
+        """cos and *signed* sin in the model dtype (fp32 with `fp32_tables`), each [num_tokens,
+        rotary_dim], for flat token positions.
 
         The sin's first half is negated here, once per forward, so `apply_rotary` needs no `neg`
         per layer: (-x2) * s == x2 * (-s) exactly, so results keep transformers' bits.
@@ -65,7 +93,12 @@ class RotaryEmbedding(nn.Module):
         sin = emb.sin() * self.attention_scaling
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
-        return cos.to(self.dtype), sin.to(self.dtype)
+        return cos.to(self.table_dtype), sin.to(self.table_dtype)
+
+    def _rotate_partial(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """transformers' Phi-3: rotate the first `rotary_dim` channels of each head, pass the rest."""
+        d = self.rotary_dim
+        return torch.cat((_apply_rotary_cast(x[..., :d], cos, signed_sin), x[..., d:]), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`x` [num_tokens, heads, head_dim] (rows of head_dim contiguous) rotated: a new tensor."""
@@ -83,3 +116,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + swapped * signed_sin.unsqueeze(1)
+
+
+def _apply_rotary_cast(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in the tables' dtype, cast back to x's (OLMo 2's fp32 tables; a no-op cast else)."""
+    return apply_rotary(x, cos, signed_sin).to(x.dtype)

@@ -3,6 +3,8 @@
 Under tensor parallelism each rank holds `shard.vocab_rows` rows starting at `shard.vocab_start`
 (engine/distributed/sharding.py): a token outside the shard looks up zeros there, and the
 all-reduce over ranks leaves each token's one real row.
+
+`multiplier` (Granite's `embedding_multiplier`) scales the looked-up rows, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -25,19 +27,23 @@ class VocabEmbedding(nn.Module):
         dtype: torch.dtype,
         tp: TPGroup | None = None,
         vocab_start: int = 0,
+        multiplier: float = 1.0,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype), False)
         self.tp = tp if tp is not None else TPGroup.single()
         self.vocab_start = vocab_start
+        self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(x)
+            x = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.weight)
+            x.masked_fill_(outside.unsqueeze(-1), 0)
+            x = self.tp.all_reduce(x)
+        return x if self.multiplier == 1.0 else x * self.multiplier
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

@@ -137,7 +137,7 @@ class ModelRunner:
         self._init_memory()
         if self.tp.size > 1 and self.tp.is_driver:  # the other ranks replay its table writes
             self.req_to_token_pool.record_writes()
-        layout = HeadLayout(shard.num_heads, shard.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        layout = HeadLayout(shard.num_heads, shard.num_kv_heads, cfg.head_dim, cfg.softmax_scale)
         # Cascade planning is host work on the slot table: CPU pools only (no device round trip).
         cascade = not args.disable_cascade_attention and self.device.type == "cpu"
         self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)

@@ -1,6 +1,10 @@
-"""Native Llama-family decoder (Llama, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm).
+"""Native Llama-family decoder: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
+Granite (multipliers), OLMo 2 (post-norms, whole q/k RMSNorm) and Phi-3 (fused checkpoint
+tensors, partial rotary, longrope).
 
-One implementation for the three: they differ only in biases and q/k norm (see ModelConfig).
+One implementation for all: what tells the families apart is in ModelConfig, and each switch
+picks a module at construction (the decoder layer's shape: decoder_layers.py; the q/k norm:
+layers/qk_norm.py; the rotary form: layers/rotary.py) or a checkpoint layout (checkpoint_parts.py).
 Projections are fused (q|k|v in one matmul, gate|up in one) to cut per-layer kernel launches;
 attention goes through the ForwardBatch's backend over the paged KV pool. Numerics follow
 transformers' op order (RMSNorm in fp32, RoPE in fp32 then cast) so fp32 greedy output is
@@ -25,17 +29,18 @@ from transformers import PretrainedConfig
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
-from engine.layers.activation import get_act_and_mul
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import measure_int4_crossover
 from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, finalize_linear
-from engine.layers.norm import AddRMSNorm, RMSNorm, rms_norm
+from engine.layers.norm import RMSNorm
 from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabEmbedding
-from engine.model_config import ModelConfig
+from engine.model_config import QK_NORM_WHOLE, ModelConfig
 from engine.model_executor.forward_batch_info import ForwardBatch
+from engine.models.checkpoint_parts import WeightItem, llama_layout
+from engine.models.decoder_layers import LlamaDecoderLayer, decoder_layer_class
 
 # Hugging Face module inside a layer -> (our fused projection, part of it)
 _PROJECTIONS = {
@@ -51,104 +56,11 @@ _PROJECTIONS = {
 _LAYER_PARAMS = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
     "self_attn.q_norm.weight": "self_attn.qk_norm.q_weight",
     "self_attn.k_norm.weight": "self_attn.qk_norm.k_weight",
 }
 _GLOBAL_PARAMS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
-
-WeightItem = tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]
-
-
-def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
-
-
-class QKNorm(nn.Module):
-    """Qwen3's per-head RMSNorm of q and k, applied to the adjacent q|k heads as one slab with one
-    `[H + KVH, D]` weight table (half the ops of normalising each; same per-element arithmetic)."""
-
-    def __init__(self, cfg: ModelConfig, shard: TPShard, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.eps = shard.num_heads, shard.num_kv_heads, cfg.rms_norm_eps
-        self.q_weight = _param(cfg.head_dim, device=device, dtype=dtype)
-        self.k_weight = _param(cfg.head_dim, device=device, dtype=dtype)
-        self.table = torch.empty(0)  # built once the weights are in (`process_weights_after_loading`)
-
-    def process_weights_after_loading(self) -> None:
-        self.table = torch.cat([self.q_weight.expand(self.num_heads, -1), self.k_weight.expand(self.num_kv_heads, -1)])
-
-    def forward(self, qk: torch.Tensor) -> torch.Tensor:
-        return rms_norm(qk, self.table, self.eps)
-
-    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
-
-
-class LlamaAttention(nn.Module):
-    """This rank's heads (all of them at tp size 1): q|k|v column-parallel, o row-parallel."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
-        super().__init__()
-        device, dtype = rotary_emb.device, rotary_emb.dtype
-        self.layer_id = layer_id
-        self.tp = tp
-        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
-        sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.qkv_proj = DenseLinear(cfg.hidden_size, sizes, cfg.attention_bias, device, dtype)
-        self.o_proj = DenseLinear(self.q_size, (cfg.hidden_size,), cfg.o_bias, device, dtype)
-        self.qk_norm = QKNorm(cfg, shard, device, dtype) if cfg.qk_norm else None
-        self.rotary_emb = rotary_emb
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k are adjacent in qkv: normalise and rotate them as one [t, H + KVH, D] slab
-        # (half the per-layer elementwise ops of doing each; same per-element arithmetic).
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        qk = self.rotary_emb(qk, cos, sin)
-        attn = fb.attn_backend.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, fb)
-        return self.tp.all_reduce(self.o_proj(attn))
-
-    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
-
-
-class LlamaMLP(nn.Module):
-    """This rank's MLP columns: gate|up column-parallel, down row-parallel."""
-
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, shard: TPShard, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.tp = tp
-        inter = shard.intermediate_size
-        self.gate_up_proj = DenseLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, device, dtype)
-        self.down_proj = DenseLinear(inter, (cfg.hidden_size,), cfg.mlp_bias, device, dtype)
-        self.act_fn = get_act_and_mul(cfg.hidden_act, inter, device, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
-
-    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
-        super().__init__()
-        device, dtype = rotary_emb.device, rotary_emb.dtype
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
-        self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, tp, shard, device, dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """`x` is this forward's own residual stream (the embedding output or a layer's sum): the
-        fused residual add updates it in place."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, fb)
-        h, x = self.post_attention_layernorm(attn, x)
-        return x + self.mlp(h)
-
-    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,14 +80,21 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp if tp is not None else TPGroup.single()
         self.shard = shard = TPShard.of(cfg, self.tp.rank, self.tp.size)
         rows = shard.vocab_rows
-        self.embed_tokens = VocabEmbedding(rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start)
-        self.rotary_emb = RotaryEmbedding(hf_config, cfg.head_dim, device, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary_emb, self.tp, shard) for i in range(cfg.num_layers)
+        self.embed_tokens = VocabEmbedding(
+            rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start, cfg.embedding_multiplier
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.rotary_emb = RotaryEmbedding(hf_config, cfg.head_dim, device, dtype, fp32_tables=cfg.rotary_fp32)
+        layer_class = decoder_layer_class(cfg)
+        self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary_emb, self.tp, shard) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, cfg.norm_weight_before_cast)
         tied = self.embed_tokens.weight if cfg.tie_word_embeddings else None
         self.lm_head = DenseLinear(cfg.hidden_size, (rows,), False, device, dtype, weight=tied)
+        self.logits_scaling = cfg.logits_scaling  # Granite divides its logits by it
+        # Whether the fused C++ layer loop implements these layers (csrc/cpu_decode_layers.cpp:
+        # Llama's pre-norm layer, q/k/v biases, Qwen3's per-head q/k norm): not Granite's residual
+        # multiplier, OLMo 2's post-norms or its whole q/k norm. The loop also needs every norm,
+        # the activation and rotary in their fused forms (`fused`: not partial rotary, not OLMo 2's norms).
+        self.llama_layers = layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
         self.fused_decode: FusedDecodeLayers | None = None
 
@@ -205,7 +124,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of final hidden states (pre-norm), as `forward` returns them. Under tensor
         parallelism a collective: every rank calls it with the same rows."""
-        return self.tp.gather_vocab(self.lm_head(self.norm(hidden)), self.cfg.vocab_size)
+        logits = self.lm_head(self.norm(hidden))
+        if self.logits_scaling != 1.0:  # in the model's dtype, as transformers' Granite divides
+            logits = logits / self.logits_scaling
+        return self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
     @property
     def fused(self) -> bool:
@@ -227,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         q4_parts: dict[str, dict[int, Q4Blocks | None]] = {}
         packed: dict[str, QuantWeight] = {}
         head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        for name, tensor, blocks in weights:
+        for name, tensor, blocks in llama_layout(weights, self.cfg, self.shard):
             if self.shard.zero_bias(name):
                 tensor = torch.zeros_like(tensor)
             if name == head_name and isinstance(blocks, Q8Blocks) and self.tp.size == 1:
@@ -348,8 +270,12 @@ class LlamaForCausalLM(nn.Module):
         return rows
 
 
+# Every supported architecture runs as LlamaForCausalLM (its ModelConfig switches pick the parts).
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }

