@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUARD_S = 120.0  # a hang guard only: the child is expected to go within about a second
 
 DEATH_SIGNAL_PARENT = """
 import os, subprocess, sys, time
@@ -60,10 +59,8 @@ def test_child_goes_when_its_parent_is_killed(parent_code: str) -> None:
         assert _alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + GUARD_S
-        while _alive(child) and time.monotonic() < deadline:
+        while _alive(child):  # a child that never goes hangs here: the suite's pytest-timeout ends it
             time.sleep(0.05)
-        assert not _alive(child), f"child {child} outlived its killed parent"
     finally:
         if parent.poll() is None:
             parent.kill()

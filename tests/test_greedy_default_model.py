@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu_parity import teacher_forced
+from bench.gpu_parity import first_diff, teacher_forced
 from bench.parity_prompts import parity_prompts
 from engine import SyncScheduler
 from engine.model_executor.model_runner import ModelRunner
@@ -51,16 +51,12 @@ def test_greedy_matches_transformers_in_continuous_batch(default_source, default
     reqs = [None] * len(prompts)
     reqs[::2], reqs[1::2] = first, second
     for i, (req, ref) in enumerate(zip(reqs, hf_outputs)):
-        assert req.output_ids == ref, f"prompt {i}: diverged at token {_first_diff(req.output_ids, ref)}"
+        assert req.output_ids == ref, f"prompt {i}: diverged at token {first_diff(req.output_ids, ref)}"
     # Everything was freed: the KV is free or in the prefix cache, and is all free once flushed.
     sched.scheduler.check_memory()
     assert sched.scheduler.flush_cache()
     assert runner.token_to_kv_pool_allocator.available_size() == runner.token_to_kv_pool_allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 BF16_NEW_TOKENS = 48

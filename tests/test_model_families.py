@@ -35,21 +35,12 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import SUPPORTED_ARCHITECTURES, resolve_model
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
+from tests.test_model_parity import COMMON as PARITY_SHAPE
+from tests.test_model_parity import VOCAB
 
-VOCAB = 160
 NEW_TOKENS = 10
 NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)  # generate runs every token
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    **NO_SPECIAL,
-)
+COMMON = dict(PARITY_SHAPE, **NO_SPECIAL)  # test_model_parity.py's tiny shape
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0)
 LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [4.0] * 8}
 

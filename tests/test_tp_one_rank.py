@@ -9,7 +9,6 @@ from a runner built on the group equal those of a runner without one.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine import SyncScheduler
+from engine.distributed.launcher import free_port
 from engine.distributed.parallel_state import TPGroup
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
@@ -26,16 +26,10 @@ from tests.sched_harness import make_runner, make_tiny_llama, random_prompts
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_rank_group(request: pytest.FixtureRequest):
     device = torch.device(request.param)
-    group = TPGroup.init(0, 1, 1, f"tcp://127.0.0.1:{_free_port()}", device, rendezvous_s=60.0)
+    group = TPGroup.init(0, 1, 1, f"tcp://127.0.0.1:{free_port()}", device, rendezvous_s=60.0)
     try:
         yield group, device
     finally:
