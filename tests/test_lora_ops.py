@@ -1,0 +1,131 @@
+"""The LoRA delta of our fused projections (engine/lora/ops.py) on batches mixing the base model and
+several adapters, against real PEFT modules: for each decoder layer and each part of each fused
+projection, our delta equals PEFT's module output minus its base layer's output (fp32); base rows
+are bit-identical to a forward without LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora import BASE_SLOT, LoRABatchInfo, LoRAError, LoRAPool, apply_lora, load_adapter
+from engine.lora.projections import PROJECTIONS
+from tests.lora_fixtures import LLAMA_ADAPTERS, build_set, llama_base, mixed_batch, peft_delta, projection_inputs
+
+
+@pytest.fixture(scope="module")
+def llama_set(tmp_path_factory):
+    return build_set(llama_base(), LLAMA_ADAPTERS, tmp_path_factory.mktemp("llama_lora"), "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_set):
+    return {name: load_adapter(path, llama_set.cfg) for name, path in llama_set.paths.items()}
+
+
+def _pool(llama_set, adapters, names, slots=4) -> LoRAPool:
+    pool = LoRAPool(llama_set.cfg, max_loras_per_batch=slots, max_lora_rank=8)
+    for name in names:
+        pool.load(name, adapters[name])
+    return pool
+
+
+def _check_against_peft(llama_set, pool, names, rows, seed=0):
+    """Every layer and projection: `apply_lora` on top of a random base output equals base + PEFT's
+    delta per row (tight fp32 tolerance), and base rows keep their exact bits."""
+    info = mixed_batch(names, pool, rows)
+    row_names = [n for n, r in zip(names, rows) for _ in range(r)]
+    base_rows = torch.tensor([n is None for n in row_names])
+    gen = torch.Generator().manual_seed(seed)
+    xs = projection_inputs(llama_set.cfg, sum(rows), gen)
+    for layer in range(llama_set.cfg.num_layers):
+        for projection, parts in PROJECTIONS.items():
+            w = pool.weights(layer, projection)
+            x = xs[projection]
+            base = torch.randn(x.shape[0], sum(w.out_sizes), generator=gen)
+            out = apply_lora(x, base.clone(), layer, projection, info)
+            assert torch.equal(out[base_rows], base[base_rows]), (layer, projection)
+            for p, module in enumerate(parts):
+                cols = slice(w.out_starts[p], w.out_starts[p] + w.out_sizes[p])
+                ref = torch.stack(
+                    [
+                        torch.zeros(w.out_sizes[p])
+                        if n is None
+                        else peft_delta(llama_set.peft[n], layer, module, xi[None])[0]
+                        for n, xi in zip(row_names, x)
+                    ]
+                )
+                torch.testing.assert_close(
+                    out[:, cols] - base[:, cols], ref, rtol=1e-5, atol=2e-5, msg=f"layer {layer} {module}"
+                )
+
+
+def test_mixed_batch_matches_peft(llama_set, adapters):
+    """Base, four adapters (every module / rsLoRA / rank and alpha patterns / a regex on one layer),
+    interleaved: requests of one adapter are not adjacent, so the rows are gathered and scattered."""
+    pool = _pool(llama_set, adapters, ["all", "rslora", "patterns", "regex"])
+    names = [None, "all", "rslora", None, "all", "patterns", "regex", "rslora", None]
+    _check_against_peft(llama_set, pool, names, [3, 2, 1, 1, 4, 2, 2, 3, 1])
+
+
+def test_single_adapter_batch_needs_no_gather(llama_set, adapters):
+    """Every row on one adapter (a decode batch of one adapter): no index, same deltas."""
+    pool = _pool(llama_set, adapters, ["patterns"])
+    info = mixed_batch(["patterns"] * 3, pool, [1, 1, 1])
+    assert info.row_index is None and info.seg_lens == (3,)
+    _check_against_peft(llama_set, pool, ["patterns"] * 3, [1, 1, 1], seed=1)
+
+
+def test_recycled_slot_holds_only_the_new_adapter(llama_set, adapters):
+    """A slot freed by eviction or unload is cleared: the next adapter there adds only its own
+    modules (the evicted one adapted projections the new one does not)."""
+    pool = _pool(llama_set, adapters, ["all", "regex"], slots=2)
+    pool.unload("all")
+    pool.load("rslora", adapters["rslora"])  # takes the slot "all" filled
+    pool.load("patterns", adapters["patterns"])  # evicts "regex", least recently used
+    assert set(pool.names) == {"rslora", "patterns"}
+    _check_against_peft(llama_set, pool, ["rslora", None, "patterns"], [2, 1, 3], seed=2)
+
+
+def test_no_lora_rows_leave_out_untouched(llama_set, adapters):
+    pool = _pool(llama_set, adapters, ["all"])
+    info = LoRABatchInfo.build(pool, [BASE_SLOT, BASE_SLOT], [2, 1])
+    assert info.empty
+    x, out = torch.randn(3, 32), torch.randn(3, 64)
+    assert torch.equal(apply_lora(x, out.clone(), 0, "qkv_proj", info), out)
+
+
+def test_batch_info_groups_rows_by_adapter(llama_set, adapters):
+    pool = _pool(llama_set, adapters, ["all", "rslora", "patterns"])
+    a, b, c = (pool.slot_of(n) for n in ("all", "rslora", "patterns"))
+    info = LoRABatchInfo.build(pool, [b, BASE_SLOT, a, b, c, a], [2, 3, 1, 0, 2, 2])
+    # rows: b b | base x3 | a | (b: none) | c c | a a
+    assert info.num_rows == 10 and info.num_lora_rows == 7
+    segs = dict(zip(info.seg_slots, zip(info.seg_starts, info.seg_lens)))
+    assert segs == {a: (0, 3), b: (3, 2), c: (5, 2)}
+    assert info.row_index.tolist() == [5, 8, 9, 0, 1, 6, 7]  # in batch order within each segment
+    assert info.seg_table.tolist() == [[a, b, c], [0, 3, 5], [3, 2, 2]]
+    with pytest.raises(LoRAError, match="max_loras_per_batch is 2"):
+        LoRABatchInfo.build(pool, [a, b, c], [1, 1, 1], max_loras_per_batch=2)
+    with pytest.raises(LoRAError, match=r"slots \[3\] hold no adapter"):
+        LoRABatchInfo.build(pool, [a, 3], [1, 1])
+    with pytest.raises(ValueError):
+        LoRABatchInfo.build(pool, [a], [1, 2])
+    info = LoRABatchInfo.build(pool, [a, 3], [1, 0])  # an empty request's slot is never read
+    assert info.seg_slots == (a,)
+
+
+def test_bf16_close_to_fp32(llama_set, adapters):
+    """A bf16 pool and inputs give the fp32 deltas within bf16 rounding (no dtype mix-ups)."""
+    pools = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        pools[dtype] = LoRAPool(llama_set.cfg, max_loras_per_batch=2, max_lora_rank=8, dtype=dtype)
+        for name in ("all", "rslora"):
+            pools[dtype].load(name, adapters[name])
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(4))
+    outs = {}
+    for dtype, pool in pools.items():
+        info = mixed_batch(["rslora", None, "all"], pool, [2, 1, 3])
+        outs[dtype] = apply_lora(x.to(dtype), torch.zeros(6, 64, dtype=dtype), 1, "qkv_proj", info)
+    assert outs[torch.bfloat16].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], rtol=3e-2, atol=0.3)
