@@ -61,6 +61,7 @@ class StreamDelta(msgspec.Struct):
     input_logprobs: PromptLogprobs | None = None
     # On the final delta of an embedding request (`Engine.encode`): pooled, L2-normalised
     embedding: list[float] | None = None
+    weight_version: str = ""  # the weights that produced this delta's tokens (SGLang's meta_info field)
 
 
 @dataclass
@@ -80,6 +81,11 @@ class GenerateResult:
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
     input_logprobs: PromptLogprobs | None = None  # prompt log-probs, when asked for
+    # The weights of the last token; `weight_versions` lists every version the output's tokens
+    # came from, in order: more than one only when a weight update landed while the request was
+    # paused (retract / in_place), which is never hidden
+    weight_version: str = ""
+    weight_versions: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,11 +109,15 @@ class ResultBuilder:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: PromptLogprobs | None = None
+    weight_versions: list[str] = field(default_factory=list)
     last: StreamDelta | None = None
 
     def add(self, delta: StreamDelta) -> None:
         if delta.input_logprobs is not None:
             self.input_logprobs = delta.input_logprobs
+        v = delta.weight_version
+        if delta.token_ids and v and (not self.weight_versions or self.weight_versions[-1] != v):
+            self.weight_versions.append(v)
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
@@ -139,6 +149,8 @@ class ResultBuilder:
             spec_draft_tokens=last.spec_draft_tokens,
             spec_accepted_tokens=last.spec_accepted_tokens,
             input_logprobs=self.input_logprobs,
+            weight_version=self.weight_versions[-1] if self.weight_versions else last.weight_version,
+            weight_versions=list(self.weight_versions),
         )
 
 
@@ -189,6 +201,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     hidden_size: int = 0  # the length of an embedding (Engine.encode)
     is_embedding: bool = False  # serves embeddings only (ServerArgs.is_embedding)
+    weight_version: str = "default"  # of the weights serving now (after the last weight update)
 
 
 class StepRecord(msgspec.Struct, frozen=True):

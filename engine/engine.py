@@ -226,6 +226,7 @@ class Engine(EngineOperations):
             eos_token_ids=tuple(sorted(cfg.eos_token_ids)),
             hidden_size=cfg.hidden_size,
             is_embedding=self.args.is_embedding,
+            weight_version=self.weight_version,
         )
 
     @property

@@ -6,20 +6,135 @@ dashboard call). The request API and the lifecycle are engine/engine.py's.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 import torch
 
-from engine.actors.messages import FlushCacheReq, GetInternalStateReq, SetInternalStateReq
-from engine.errors import InvalidRequestError
+from engine.actors.generation_control import check_memory_tags, check_pause_mode
+from engine.actors.messages import (
+    AbortAllReq,
+    ContinueGenerationReq,
+    ControlReply,
+    FlushCacheReq,
+    GetInternalStateReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
+    SetInternalStateReq,
+    UpdateWeightsReq,
+)
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError
 from engine.scheduler.internal_state import check_internal_state
+
+_LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 
 
 class EngineOperations:
     """Needs the engine's `_check()` (the Receiver of a healthy, started engine), `_loaded()`
-    (its ModelRunner), `_profiler`, `_recorder`, `_system`, `_grammar_backend`,
+    (its ModelRunner), `_scheduler`, `_profiler`, `_recorder`, `_system`, `_grammar_backend`,
     `_forward_threads` and `healthy`."""
+
+    # ---- RL rollout: weight updates, pause / continue (engine/actors/generation_control.py) ----
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights serving now (`ServerArgs.weight_version`, then each update's)."""
+        scheduler = self._scheduler
+        return scheduler.control.weight_version if scheduler is not None else self.args.weight_version
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> str:
+        """Serve the weights of another checkpoint of the same model (a folder or .gguf, as
+        `model_path` at start-up); returns the new weight version. Requests already running end
+        under the old weights first (new ones wait), unless `abort_all_requests`; while paused it
+        applies at once. A checkpoint of other shapes or with a tensor missing is a
+        ModelLoadError and the old weights keep serving."""
+        if load_format not in _LOAD_FORMATS:
+            raise InvalidRequestError(
+                f"load_format must be auto, safetensors or gguf; got {load_format!r}", "load_format"
+            )
+        if not isinstance(model_path, str) or not model_path:
+            raise InvalidRequestError("model_path must be a non-empty string", "model_path")
+        msg = UpdateWeightsReq(0, model_path, None, weight_version, abort_all_requests, flush_cache)
+        return await self._update_weights(msg)
+
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> str:
+        """Overwrite weights by Hugging Face name (any subset: a trainer may send them in several
+        calls, with `flush_cache=False` on all but the last); returns the new weight version.
+        Every tensor is checked (name, shape, floating dtype) before any weight changes."""
+        items = list(named_tensors)
+        if not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
+            raise InvalidRequestError("named_tensors must be (name, tensor) pairs", "named_tensors")
+        msg = UpdateWeightsReq(0, None, items, weight_version, abort_all_requests, flush_cache)
+        return await self._update_weights(msg)
+
+    async def _update_weights(self, msg: UpdateWeightsReq) -> str:
+        def make(reply_id: int) -> UpdateWeightsReq:
+            msg.reply_id = reply_id
+            return msg
+
+        reply = await self._check().control(make, timeout=None)  # waits for running requests
+        if not reply.ok:
+            message = f"weight update failed, the weights are unchanged: {reply.error}"
+            kind = reply.payload.get("error_type")
+            if kind == "InvalidRequestError":
+                raise InvalidRequestError(message, "model_path" if msg.model_path is not None else "named_tensors")
+            raise (ModelLoadError if kind == "ModelLoadError" else EngineError)(message)
+        return str(reply.payload["weight_version"])
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating (SGLang's modes: "abort" ends every request, "retract" sends the
+        running ones back to the queue, "in_place" keeps them with their KV); returns once the
+        pause holds. New requests queue until `continue_generation()`."""
+        check_pause_mode(mode)
+        await self._control(lambda reply_id: PauseGenerationReq(reply_id, mode))
+
+    async def continue_generation(self) -> None:
+        """Lift a pause: the paused and queued requests go on."""
+        await self._control(ContinueGenerationReq)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the KV pool ("kv_cache") and/or the weights ("weights"; None: both) while a
+        trainer uses the memory; running requests go back to the queue, and they and new ones
+        wait there until `resume_memory_occupation`. Every cached prefix is dropped."""
+        tags = check_memory_tags(tags)
+        await self._control(lambda reply_id: MemoryOccupationReq(reply_id, True, tags))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Bring back what was released: a zeroed KV pool, and the weights of the checkpoint last
+        loaded from disk (tensors sent since are not kept: send them again, as SGLang's trainers do);
+        generation goes on once nothing is released."""
+        tags = check_memory_tags(tags)
+        await self._control(lambda reply_id: MemoryOccupationReq(reply_id, False, tags))
+
+    async def abort_all(self, message: str = "aborted by the operator") -> None:
+        """End every request, running or waiting (SGLang's abort_request with abort_all); returns
+        once each has ended (its memory freed)."""
+        receiver = self._check()
+        open_now = list(receiver.streams)
+        receiver.dispatcher.send(AbortAllReq(message))
+        async with asyncio.timeout(30):
+            while any(rid in receiver.streams for rid in open_now):
+                await asyncio.sleep(0.001)
+
+    async def _control(self, make) -> ControlReply:
+        reply = await self._check().control(make, timeout=None)
+        if not reply.ok:
+            raise EngineError(reply.error or "the scheduler refused")
+        return reply
 
     async def start_profile(
         self, output_dir: str | None = None, num_steps: int | None = None, activities: list[str] | None = None

@@ -143,6 +143,13 @@ class ServerArgs:
     # model's last norm) pooled over the prompt by `pooling_method` (last token, mean, first
     # token) and L2-normalised. SGLang's is_embedding serves only them: generation is refused.
     is_embedding: bool = False
+    # The served weights' version (SGLang's --weight-version): reported by /get_model_info and in
+    # every response's meta_info; each weight update sets the version it names, or the number of
+    # updates applied so far
+    weight_version: str = "default"
+    # SGLang's flag for release_memory_occupation (its GPU allocator hook); accepted for its users,
+    # not needed here: the KV pool and weights are freed and rebuilt as tensors on CPU and CUDA alike
+    enable_memory_saver: bool = False
     pooling_method: str = "last"
 
     def verify(self) -> None:

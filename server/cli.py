@@ -248,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 300)",
     )
     g.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="SGLang's flag for /release_memory_occupation; accepted, not needed (memory can always be released)",
+    )
+    g.add_argument(
+        "--weight-version",
+        help="the served weights' version, reported by /get_model_info and in every meta_info; each "
+        "/update_weights_from_disk sets its own (default: default)",
+    )
+    g.add_argument(
         "--profile-dir",
         help="where POST /start_profile writes torch profiler traces (default: $SGLANG_TORCH_PROFILER_DIR, "
         "else <tmp>/asyncllm-profiles)",
@@ -359,6 +369,7 @@ _ENGINE_OPTIONS = (
     "torch_threads",
     "q4_max_tokens",
     "watchdog_timeout",
+    "weight_version",
     "grammar_backend",
     "grammar_compile_timeout",
     "constrained_json_max_string_length",
@@ -384,6 +395,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
     for flag in (
+        "enable_memory_saver",
         "disable_radix_cache",
         "disable_cascade_attention",
         "disable_fused_decode",

@@ -77,6 +77,7 @@ def meta_info(
         d.spec_verify_ct if d else None,
         d.spec_draft_tokens if d else None,
         d.spec_accepted_tokens if d else None,
+        d.weight_version or None if d else None,
     )
 
 
@@ -246,6 +247,7 @@ async def get_model_info(request: web.Request) -> web.Response:
             "vocab_size": info.vocab_size,
             "dtype": info.dtype,
             "device": info.device,
+            "weight_version": info.weight_version,
         }
     )
 
@@ -304,10 +306,16 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    """Abort a request by rid (the `rid` given to /generate; OpenAI requests use '<id>-<choice>')."""
+    """Abort a request by rid (the `rid` given to /generate; OpenAI requests use '<id>-<choice>'),
+    or every request with `abort_all`."""
     state = request.app[STATE]
     req = await read_json(request, AbortRequest)
-    await state.engine.abort(req.rid)
+    if req.abort_all:
+        await state.engine.abort_all()
+    elif req.rid:
+        await state.engine.abort(req.rid)
+    else:
+        raise ApiError(400, "give a rid, or abort_all: true", param="rid")
     return web.json_response({"success": True})
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from server import openapi_schemas as answers
 from server.errors import ErrorResponse
 from server.native_api import VERSION
 from server.protocol import (
@@ -40,7 +41,10 @@ from server.protocol_native import (
     GenerateRequest,
     GenerateResponse,
     LoadInfo,
+    MemoryTagsRequest,
+    PauseGenerationRequest,
     ProfileRequest,
+    UpdateWeightsFromDiskRequest,
     VersionResponse,
     WsCancel,
     WsDelta,
@@ -82,6 +86,9 @@ _STRUCTS: tuple[type, ...] = (
     GenerateResponse,
     AbortRequest,
     ProfileRequest,
+    UpdateWeightsFromDiskRequest,
+    PauseGenerationRequest,
+    MemoryTagsRequest,
     ErrorResponse,
     WsGenerate,
     WsCancel,
@@ -121,53 +128,6 @@ def _sse(event: str) -> dict[str, Any]:
     return {"text/event-stream": {"schema": {"type": "object", "properties": {"data": data}, "required": ["data"]}}}
 
 
-_OBJECT = {"type": "object"}
-_SUCCESS = {
-    "type": "object",
-    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}},
-    "required": ["success"],
-}
-_PROFILE = {
-    "type": "object",
-    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"}, "trace": {"type": "string"}},
-    "required": ["success", "trace"],
-}
-_FLIGHT_DUMP = {
-    "type": "object",
-    "properties": {
-        "success": {"type": "boolean"},
-        "path": {"type": "string"},
-        "size": {"type": "integer"},
-        "recorded": {"type": "integer"},
-        "dropped": {"type": "integer"},
-        "last_dump": {"type": ["string", "null"]},
-    },
-    "required": ["success", "path"],
-}
-_MODEL_INFO = {
-    "type": "object",
-    "properties": {
-        "model_path": {"type": "string"},
-        "tokenizer_path": {"type": "string"},
-        "served_model_name": {"type": "string"},
-        "is_generation": {"type": "boolean"},
-        "architecture": {"type": "string"},
-        "context_length": {"type": "integer"},
-        "vocab_size": {"type": "integer"},
-        "dtype": {"type": "string"},
-        "device": {"type": "string"},
-    },
-    "required": ["model_path", "served_model_name", "context_length", "vocab_size"],
-}
-_SERVER_INFO = {
-    "type": "object",
-    "properties": {
-        "version": {"type": "string"},
-        "inflight_generations": {"type": "integer"},
-        "internal_states": {"type": "array", "items": _OBJECT},
-    },
-    "required": ["version", "internal_states"],
-}
 _ERROR_TEXT = {
     400: "invalid request (the body names the field in `param`)",
     401: "missing or invalid API key",
@@ -197,9 +157,16 @@ class _Op:
 _BODY_ERRORS = (400, 408, 413, 500)
 _GEN_ERRORS = (*_BODY_ERRORS, 503)
 _GENERATE_OK = {"oneOf": [_ref("GenerateResponse"), {"type": "array", "items": _ref("GenerateResponse")}]}
-_FLUSH = _Op("Drop every cached prefix (400 while requests run)", _json(_SUCCESS), errors=(400, 500))
-_MODEL = _Op("The served model (SGLang)", _json(_MODEL_INFO))
-_SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(_SERVER_INFO))
+_FLUSH = _Op("Drop every cached prefix (400 while requests run)", _json(answers.SUCCESS), errors=(400, 500))
+_MEMORY = _Op(
+    "Release (resume) the KV pool and/or the weights (SGLang's tags); requests wait while released",
+    _json(answers.SUCCESS),
+    body="MemoryTagsRequest",
+    body_required=False,
+    errors=_BODY_ERRORS,
+)
+_MODEL = _Op("The served model (SGLang)", _json(answers.MODEL_INFO))
+_SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(answers.SERVER_INFO))
 _HEALTH_TEXT = "healthy (empty body)"
 _TOKENIZE = _Op(
     "Tokenize a prompt, a batch of prompts (SGLang) or chat messages through the chat template (vLLM)",
@@ -289,26 +256,43 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
     ),
     ("POST", "/flush_cache"): _FLUSH,
     ("GET", "/flush_cache"): _FLUSH,
+    ("POST", "/update_weights_from_disk"): _Op(
+        "Serve a new checkpoint of the same model without a restart (SGLang); running requests end "
+        "first unless abort_all_requests; 400 (old weights kept) for another model's shapes",
+        _json(answers.WEIGHTS_UPDATED),
+        body="UpdateWeightsFromDiskRequest",
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/pause_generation"): _Op(
+        "Stop generating until /continue_generation (SGLang's modes abort, retract, in_place)",
+        _json(answers.SUCCESS),
+        body="PauseGenerationRequest",
+        body_required=False,
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/continue_generation"): _Op("Lift a pause", _json(answers.SUCCESS)),
+    ("POST", "/release_memory_occupation"): _MEMORY,
+    ("POST", "/resume_memory_occupation"): _MEMORY,
     ("POST", "/abort_request"): _Op(
-        "Abort a generation by rid (unknown rids are ignored)",
-        _json(_SUCCESS),
+        "Abort a generation by rid (unknown rids are ignored), or every one with abort_all",
+        _json(answers.SUCCESS),
         body="AbortRequest",
         errors=_BODY_ERRORS,
     ),
     ("POST", "/start_profile"): _Op(
         "Start the torch profiler around the forwards (SGLang); optional body; trace under --profile-dir",
-        _json(_PROFILE),
+        _json(answers.PROFILE),
         body="ProfileRequest",
         body_required=False,
         errors=_BODY_ERRORS,
     ),
     ("POST", "/stop_profile"): _Op(
-        "Stop the profiler and write its Chrome trace (400 when none runs)", _json(_PROFILE), errors=(400, 500)
+        "Stop the profiler and write its Chrome trace (400 when none runs)", _json(answers.PROFILE), errors=(400, 500)
     ),
     ("POST", "/dump_flight_recorder"): _Op(
         "Dump the flight recorder (every actor message and scheduling decision) to a file under "
         "--flight-recorder-dir; replay it with `python -m engine.replay PATH` (400 when it is off)",
-        _json(_FLIGHT_DUMP),
+        _json(answers.FLIGHT_DUMP),
         errors=(400, 500),
     ),
     ("GET", "/metrics"): _Op(
@@ -340,7 +324,7 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
         errors=(400, 500),
         extra={**_QUERY_KEY, "x-websocket": {"server": {"type": "object", "required": ["type"]}}},
     ),
-    ("GET", OPENAPI_PATH): _Op("This document", _json(_OBJECT), open=True),
+    ("GET", OPENAPI_PATH): _Op("This document", _json(answers.OBJECT), open=True),
 }
 
 

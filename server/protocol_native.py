@@ -38,7 +38,32 @@ class GenerateRequest(Struct, kw_only=True):
 
 
 class AbortRequest(Struct, kw_only=True):
-    rid: str
+    """A generation by rid, or every request (`abort_all`, SGLang's)."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightsFromDiskRequest(Struct, kw_only=True):
+    """POST /update_weights_from_disk (SGLang's): a checkpoint of the served model with new values."""
+
+    model_path: str
+    load_format: Literal["auto", "safetensors", "gguf"] | None = None
+    weight_version: str | None = None  # None: the number of updates applied so far
+    abort_all_requests: bool = False  # else running requests end first, under the old weights
+    flush_cache: bool = True
+
+
+class MemoryTagsRequest(Struct, kw_only=True):
+    """POST /release_memory_occupation, /resume_memory_occupation (optional body: both tags)."""
+
+    tags: list[Literal["kv_cache", "weights"]] | None = None
+
+
+class PauseGenerationRequest(Struct, kw_only=True):
+    """POST /pause_generation (optional body): SGLang's modes (engine/actors/generation_control.py)."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class ProfileRequest(Struct, kw_only=True):
@@ -66,6 +91,7 @@ class MetaInfo(Struct, omit_defaults=True):
     spec_verify_ct: int | None = None
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    weight_version: str | None = None  # of the weights that produced the last token
 
 
 class GenerateResponse(Struct, omit_defaults=True):

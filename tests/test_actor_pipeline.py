@@ -20,12 +20,16 @@ import pytest
 from engine import Engine, SamplingParams, SyncScheduler
 from engine.actors.dispatcher import REQUEST_INPUTS, Dispatcher, routing_table
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
+    ContinueGenerationReq,
     FlushCacheReq,
     GetInternalStateReq,
+    PauseGenerationReq,
     SetInternalStateReq,
     StopStrMatched,
     TokenizedGenerateReq,
+    UpdateWeightsReq,
     WaitingCount,
 )
 from engine.actors.overlap_scheduler import OverlapScheduler
@@ -66,6 +70,10 @@ async def test_dispatcher_routes_each_type_to_its_actor():
         FlushCacheReq(1),
         GetInternalStateReq(2),
         SetInternalStateReq(3, {"new_token_ratio": 0.5}),
+        UpdateWeightsReq(4, model_path="/ckpt"),
+        PauseGenerationReq(5, "retract"),
+        ContinueGenerationReq(6),
+        AbortAllReq(),
     ]
     assert {type(m) for m in msgs} == set(REQUEST_INPUTS)  # every type the dispatcher accepts
     for actor in (adder, scheduler, dispatcher):

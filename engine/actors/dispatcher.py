@@ -7,6 +7,9 @@ actor that owns that concern:
     AbortReq, StopStrMatched                     -> OverlapScheduler (it holds every request that
                                                     is not waiting, and forwards the others)
     FlushCacheReq, Get/SetInternalStateReq       -> OverlapScheduler (it owns memory and state)
+    UpdateWeightsReq, Pause/ContinueGenerationReq,
+    MemoryOccupationReq, AbortAllReq                                  -> OverlapScheduler (it owns the runner and the
+                                                    running batch; it forwards AbortAllReq)
 
 Why aborts go to the scheduler and not straight to "the holder": a request moves from the queue
 to the scheduler only inside a plan round trip the scheduler itself completes before reading its
@@ -23,12 +26,17 @@ from collections.abc import Mapping
 import msgspec
 
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
+    ContinueGenerationReq,
     FlushCacheReq,
     GetInternalStateReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
     SetInternalStateReq,
     StopStrMatched,
     TokenizedGenerateReq,
+    UpdateWeightsReq,
 )
 from engine.actors.runtime import Actor
 
@@ -39,6 +47,11 @@ REQUEST_INPUTS = (
     FlushCacheReq,
     GetInternalStateReq,
     SetInternalStateReq,
+    UpdateWeightsReq,
+    PauseGenerationReq,
+    ContinueGenerationReq,
+    MemoryOccupationReq,
+    AbortAllReq,
 )
 
 
@@ -51,6 +64,11 @@ def routing_table(prefill_adder: Actor, scheduler: Actor) -> dict[type, Actor]:
         FlushCacheReq: scheduler,
         GetInternalStateReq: scheduler,
         SetInternalStateReq: scheduler,
+        UpdateWeightsReq: scheduler,
+        PauseGenerationReq: scheduler,
+        ContinueGenerationReq: scheduler,
+        MemoryOccupationReq: scheduler,
+        AbortAllReq: scheduler,
     }
 
 

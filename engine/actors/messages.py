@@ -4,9 +4,11 @@ Flow (SGLang's names where they exist):
 
     Engine -> Receiver.submit --TokenizedGenerateReq, AbortReq, control--> Dispatcher
     Dispatcher: TokenizedGenerateReq -> PrefillAdderActor
-                AbortReq, StopStrMatched, FlushCacheReq, Get/SetInternalStateReq -> OverlapScheduler
+                AbortReq, StopStrMatched, FlushCacheReq, Get/SetInternalStateReq,
+                UpdateWeightsReq, Pause/ContinueGenerationReq, MemoryOccupationReq,
+                AbortAllReq -> OverlapScheduler
     OverlapScheduler --PlanPrefillReq--> PrefillAdderActor --PrefillPlanReply--> OverlapScheduler
-    OverlapScheduler --RequeueReqs (retracted), AbortReq/StopStrMatched (not running)--> PrefillAdderActor
+    OverlapScheduler --RequeueReqs (retracted), AbortReq/StopStrMatched (not running), AbortAllReq--> PrefillAdderActor
     PrefillAdderActor --WaitingCount--> OverlapScheduler
     OverlapScheduler, PrefillAdderActor --BatchTokenOut--> OutputProcessor --BatchStrOut--> Receiver
     Receiver --RegisterReq--> OutputProcessor
@@ -35,12 +37,16 @@ from engine.scheduler.req import Req
 from engine.scheduler.waiting_queue import PrefillBudget, PrefillPlan
 
 __all__ = [
+    "AbortAllReq",
     "AbortReq",
     "BatchStrOut",
     "BatchTokenOut",
+    "ContinueGenerationReq",
     "ControlReply",
     "FlushCacheReq",
     "GetInternalStateReq",
+    "MemoryOccupationReq",
+    "PauseGenerationReq",
     "PlanPrefillReq",
     "PrefillPlanReply",
     "RegisterReq",
@@ -49,6 +55,7 @@ __all__ = [
     "StopStrMatched",
     "StreamDelta",
     "TokenizedGenerateReq",
+    "UpdateWeightsReq",
     "WaitingCount",
 ]
 
@@ -95,6 +102,48 @@ class GetInternalStateReq(msgspec.Struct, tag=True):
 class SetInternalStateReq(msgspec.Struct, tag=True):
     reply_id: int
     state: dict[str, Any]
+
+
+class UpdateWeightsReq(msgspec.Struct, tag=True):
+    """New weights (SGLang's update_weights_from_disk / _from_tensor): a checkpoint folder or
+    .gguf (`model_path`), or Hugging Face-named tensors, by reference (in process only, like the
+    Req-carrying messages). Applied once no request holds memory (engine/actors/generation_control.py)."""
+
+    reply_id: int
+    model_path: str | None = None
+    named_tensors: Any = None  # list[tuple[str, torch.Tensor]]
+    weight_version: str | None = None  # None: the number of updates applied so far, as a string
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class PauseGenerationReq(msgspec.Struct, tag=True):
+    """SGLang's /pause_generation: "abort" ends every request; "retract" sends the running ones
+    back to the waiting queue (their KV freed, recomputed on continue); "in_place" keeps them and
+    their KV. Until ContinueGenerationReq nothing is launched; new requests wait in the queue."""
+
+    reply_id: int
+    mode: str = "abort"
+
+
+class ContinueGenerationReq(msgspec.Struct, tag=True):
+    reply_id: int
+
+
+class MemoryOccupationReq(msgspec.Struct, tag=True):
+    """SGLang's release_memory_occupation (`release`) / resume_memory_occupation: free or bring
+    back the KV pool ("kv_cache") and/or the weights ("weights"). Released, nothing is launched;
+    running requests are retracted first and wait in the queue with new ones until resumed."""
+
+    reply_id: int
+    release: bool
+    tags: list[str] = []
+
+
+class AbortAllReq(msgspec.Struct, tag=True):
+    """End every request, running or waiting (SGLang's /abort_request with abort_all)."""
+
+    message: str = "aborted by the operator"
 
 
 class ControlReply(msgspec.Struct, tag=True):

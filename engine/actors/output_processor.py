@@ -124,4 +124,5 @@ class OutputProcessor(Actor):
             spec_accepted_tokens=accepted_tokens,
             input_logprobs=msg.input_logprobs[i],
             embedding=msg.embeddings[i],
+            weight_version=msg.weight_version,
         )

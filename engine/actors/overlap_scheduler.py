@@ -38,17 +38,23 @@ from dataclasses import dataclass
 
 import msgspec
 
+from engine.actors.generation_control import CONTROL_MESSAGES, GenerationControl, GenerationControlActions
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
     BatchTokenOut,
+    ContinueGenerationReq,
     ControlReply,
     FlushCacheReq,
     GetInternalStateReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
     PlanPrefillReq,
     PrefillPlanReply,
     RequeueReqs,
     SetInternalStateReq,
     StopStrMatched,
+    UpdateWeightsReq,
     WaitingCount,
 )
 from engine.actors.request_timeline import RequestTimelines
@@ -86,7 +92,18 @@ class InFlight:
     step: int  # the launch counter (the flight recorder's step)
 
 
-class OverlapScheduler(Actor):
+# control messages answered with a ControlReply (an error one if handling them raises)
+_CONTROL = (
+    FlushCacheReq,
+    GetInternalStateReq,
+    SetInternalStateReq,
+    UpdateWeightsReq,
+    PauseGenerationReq,
+    MemoryOccupationReq,
+)
+
+
+class OverlapScheduler(GenerationControlActions, Actor):
     accepts = (
         AbortReq,
         StopStrMatched,
@@ -95,6 +112,11 @@ class OverlapScheduler(Actor):
         SetInternalStateReq,
         PrefillPlanReply,
         WaitingCount,
+        UpdateWeightsReq,
+        PauseGenerationReq,
+        ContinueGenerationReq,
+        MemoryOccupationReq,
+        AbortAllReq,
     )
 
     def __init__(
@@ -123,6 +145,7 @@ class OverlapScheduler(Actor):
         self._plan_ids = itertools.count()
         self._waiting_version = 0
         self._asked_plan = False  # this turn of run() waited for a plan (it suspended)
+        self.control = GenerationControl(scheduler.args.weight_version)  # pause, weight updates
 
     # ---- main loop ----------------------------------------------------------------------------
 
@@ -141,11 +164,14 @@ class OverlapScheduler(Actor):
             for msg in self.drain():
                 self.contain(self.handle_message, msg)
             finished = inflight is not None
-            if inflight is not None and (not self.enable_overlap or inflight.lb.needs_sync):
+            quiet_now = self.control.blocks_launch() or self.control.has_pending()
+            if inflight is not None and (not self.enable_overlap or inflight.lb.needs_sync or quiet_now):
                 await self._finish(inflight)
                 inflight = None
+            if inflight is None and quiet_now:
+                await self.control_turn()
             self._asked_plan = False
-            launched = await self._launch_next()
+            launched = None if self.control.blocks_launch() else await self._launch_next()
             if inflight is not None:
                 await self._finish(inflight)
             inflight = launched
@@ -178,6 +204,8 @@ class OverlapScheduler(Actor):
     def begin_round(self) -> PlanPrefillReq | None:
         """Start a round: the plan request for the PrefillAdder, or None (nothing to prefill)."""
         budget = self.sched.prefill_budget()
+        if budget is not None and not self.control.admits_new():  # an update waits: only the chunk goes on
+            budget = None if budget.chunked_req is None else msgspec.structs.replace(budget, max_new_reqs=0)
         if self.recorder is not None:
             self.recorder.round(describe_budget(budget))
         return None if budget is None else PlanPrefillReq(next(self._plan_ids), budget)
@@ -191,13 +219,7 @@ class OverlapScheduler(Actor):
         """Finish the round: the batch to launch (and its step number), or None."""
         sched = self.sched
         batch = sched.next_batch(plan)
-        requeue, aborted = sched.take_requeue(), sched.take_self_aborted()
-        now = time.perf_counter()
-        if requeue:
-            self.adder.send(RequeueReqs(requeue))
-            self.timelines.on_retracted(requeue, now)
-        if aborted:
-            self._emit(BatchTokenOut.finished(aborted))
+        requeue, aborted = self.hand_back()
         step = self.num_launched
         if self.recorder is not None:
             self.recorder.batch(
@@ -215,6 +237,7 @@ class OverlapScheduler(Actor):
         self.num_launched += 1
         self._checked_idle = False
         lb = sched.launched(batch)
+        now = time.perf_counter()
         n = lb.num_extend  # MIXED: prefill rows first, then the running requests' decode rows
         if n:
             self.timelines.on_prefill(lb.reqs[:n], batch.extend_lens[:n], now)
@@ -255,16 +278,27 @@ class OverlapScheduler(Actor):
         if self.recorder is not None:
             ids, stops = result.next_token_ids_list(), describe_stops(lb.reqs, out)
             self.recorder.result(step, ids, forward_s, describe_out(out), result.accept_lens, stops)
-        self._emit(out)
+        self.emit(out)
 
     def fail_step(self, step: int, lb: LaunchedBatch, error: BaseException) -> None:
         """Batch `step`'s forward raised (or hung): its requests end with the error."""
         out = self.sched.fail_batch(lb, error)
         if self.recorder is not None:
             self.recorder.fail(step, repr(error), describe_out(out))
-        self._emit(out)
+        self.emit(out)
 
-    def _emit(self, out: BatchTokenOut) -> None:
+    def hand_back(self) -> tuple[list[Req], list[Req]]:
+        """Send retracted requests back to the queue and report those the scheduler ended."""
+        requeue, aborted = self.sched.take_requeue(), self.sched.take_self_aborted()
+        if requeue:
+            self.adder.send(RequeueReqs(requeue))
+            self.timelines.on_retracted(requeue, time.perf_counter())
+        if aborted:
+            self.emit(BatchTokenOut.finished(aborted))
+        return requeue, aborted
+
+    def emit(self, out: BatchTokenOut) -> None:
+        out.weight_version = self.control.weight_version
         if out.rids:
             self.output.send(out)
             self.timelines.on_output(out, time.perf_counter())
@@ -288,7 +322,10 @@ class OverlapScheduler(Actor):
         raise error
 
     def _has_work(self) -> bool:
-        return not self.sched.is_idle()
+        control = self.control
+        if control.pending_pause is not None or control.memory_ops or control.update_ready(self.sched):
+            return True  # the next turn's control_turn applies it
+        return not control.blocks_launch() and not self.sched.is_idle()  # paused / released: wait
 
     def _no_progress(self) -> None:
         """Two turns in a row launched nothing, had nothing in flight and asked for no plan, yet
@@ -324,7 +361,7 @@ class OverlapScheduler(Actor):
             if req is None:
                 self.adder.send(msg)  # waiting (or over): the PrefillAdder decides
             else:
-                self._emit(BatchTokenOut.finished([req]))
+                self.emit(BatchTokenOut.finished([req]))
         elif isinstance(msg, StopStrMatched):  # the fallback (OutputProcessor): stop strings end in the step
             req = self.sched.abort_request(msg.rid, None, reason=FinishReason.STOP, matched=msg.matched)
             if req is None:  # waiting, or over (a request ends once: a finished one is held no more)
@@ -348,6 +385,8 @@ class OverlapScheduler(Actor):
             self.replies.send(ControlReply(msg.reply_id, True, state))
         elif isinstance(msg, SetInternalStateReq):
             self.replies.send(self._set_state(msg))
+        elif isinstance(msg, CONTROL_MESSAGES):
+            self.handle_control(msg)
         elif isinstance(msg, PrefillPlanReply):  # only ever awaited inside _launch_next
             log.error("unexpected plan reply %d outside a planning round; dropped", msg.reply_id)
 
@@ -364,7 +403,7 @@ class OverlapScheduler(Actor):
 
     def on_message_error(self, msg: msgspec.Struct, exc: Exception) -> None:
         """A control call gets its error as the reply; anything else was logged and counted."""
-        if isinstance(msg, (FlushCacheReq, GetInternalStateReq, SetInternalStateReq)):
+        if isinstance(msg, _CONTROL):
             self.replies.send(ControlReply(msg.reply_id, False, error=f"{type(exc).__name__}: {exc}"))
 
     async def on_crash(self, exc: BaseException) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
     BatchTokenOut,
     PlanPrefillReq,
@@ -36,7 +37,7 @@ from engine.scheduler.waiting_queue import PrefillPlan, PrefillPlanner
 
 
 class PrefillAdderActor(Actor):
-    accepts = (TokenizedGenerateReq, PlanPrefillReq, RequeueReqs, AbortReq, StopStrMatched)
+    accepts = (TokenizedGenerateReq, PlanPrefillReq, RequeueReqs, AbortReq, StopStrMatched, AbortAllReq)
 
     def __init__(
         self, planner: PrefillPlanner, eos_token_ids: frozenset[int], context_len: int, pool_tokens: int
@@ -79,6 +80,12 @@ class PrefillAdderActor(Actor):
             if req is not None:
                 req.abort(msg.message)
                 self.output.send(BatchTokenOut.finished([req]))
+        elif isinstance(msg, AbortAllReq):  # the scheduler ended what it held; the queue ends here
+            reqs, self.planner.waiting = self.planner.waiting, []
+            for req in reqs:
+                req.abort(msg.message)
+            if reqs:
+                self.output.send(BatchTokenOut.finished(reqs))
         elif isinstance(msg, StopStrMatched):  # its text already ended: just forget it
             req = self.planner.remove(msg.rid)
             if req is not None:

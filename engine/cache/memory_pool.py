@@ -185,9 +185,28 @@ class KVCache:
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size, num_kv_heads, head_dim)
-        self.k_buffer = [self._zeros(shape) for _ in range(num_layers)]
-        self.v_buffer = [self._zeros(shape) for _ in range(num_layers)]
+        self.shape = (size, num_kv_heads, head_dim)
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        self.restore()
+
+    def release(self) -> None:
+        """Free every buffer (release_memory_occupation): the memory goes back to the OS or the
+        device; what the slots held is gone, so the caller drops every cached prefix."""
+        self.k_buffer, self.v_buffer = [], []
+
+    def restore(self) -> None:
+        """Zeroed buffers again (at construction, and on resume after `release`)."""
+        self.k_buffer = [self._zeros(self.shape) for _ in range(self.num_layers)]
+        self.v_buffer = [self._zeros(self.shape) for _ in range(self.num_layers)]
+
+    @property
+    def released(self) -> bool:
+        return not self.k_buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
         # A CPU decode reads scattered slots: huge pages spare it a TLB miss per row (host_memory).

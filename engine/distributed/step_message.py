@@ -75,7 +75,13 @@ class TPStop(msgspec.Struct, tag="stop", array_like=True):
     reason: str = "engine stopped"
 
 
-TPMessage = TPStep | TPStop
+class TPUpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
+    """Load this checkpoint (each rank its own shard); every rank swaps to it, or none does."""
+
+    model_path: str
+
+
+TPMessage = TPStep | TPStop | TPUpdateWeights
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TPMessage)

@@ -20,7 +20,8 @@ import torch
 from engine.child_process import exit_when_orphaned
 from engine.distributed.launcher import RENDEZVOUS_S
 from engine.distributed.parallel_state import TPGroup
-from engine.distributed.step_message import TPStop, decode
+from engine.distributed.step_message import TPStop, TPUpdateWeights, decode
+from engine.errors import EngineError
 from engine.model_executor.model_runner import ModelRunner
 from engine.server_args import ServerArgs
 
@@ -33,6 +34,12 @@ def serve_steps(runner: ModelRunner) -> str:
         msg = decode(runner.tp.broadcast_bytes(None))
         if isinstance(msg, TPStop):
             return msg.reason
+        if isinstance(msg, TPUpdateWeights):
+            try:
+                runner.update_weights_from_disk(msg.model_path)
+            except EngineError as e:  # every rank failed it together: the old weights serve on
+                log.warning("weight update refused: %s", e)
+            continue
         runner.run_worker_step(msg)
 
 

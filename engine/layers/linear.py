@@ -79,12 +79,15 @@ class DenseLinear(nn.Module):
 class OneDNNLinear(nn.Module):
     """A bf16 CPU linear on a weight prepacked for oneDNN (see the module docstring)."""
 
-    def __init__(self, packed: torch.Tensor, bias: nn.Parameter | None, in_features: int, out_features: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, bias: nn.Parameter | None, in_features: int, output_sizes: Sequence[int]
+    ) -> None:
         super().__init__()
         self.packed = packed  # opaque mkldnn tensor: a plain attribute, never cast or saved
         self.bias = bias
         self.in_features = in_features
-        self.out_features = out_features
+        self.output_sizes = tuple(output_sizes)  # the fused parts, as DenseLinear's (weight updates)
+        self.out_features = sum(self.output_sizes)
 
     @classmethod
     def from_dense(cls, dense: DenseLinear, rows_hint: int = 32) -> OneDNNLinear | None:
@@ -94,7 +97,7 @@ class OneDNNLinear(nn.Module):
         if not (onednn_prepack_available() and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
-        return cls(packed, dense.bias, dense.in_features, dense.out_features)
+        return cls(packed, dense.bias, dense.in_features, dense.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
@@ -113,6 +116,7 @@ class QuantLinear(nn.Module):
         self.max_rows = max_rows
         self.in_features = packed.in_features
         self.out_features = packed.out_features
+        self.output_sizes = big.output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -122,6 +126,20 @@ class QuantLinear(nn.Module):
         return self.big(x)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+Linear = DenseLinear | OneDNNLinear | QuantLinear
+
+
+def dense_weight(linear: Linear) -> torch.Tensor:
+    """The projection's weight as a plain `[out, in]` tensor, whatever form it runs as (a weight
+    update rebuilds a form from it). A quantized projection gives its dense form's weight: the
+    same values its quantized kernel reads, dequantized."""
+    if isinstance(linear, QuantLinear):
+        return dense_weight(linear.big)
+    if isinstance(linear, OneDNNLinear):
+        return linear.packed.to_dense()  # the prepacked layout reordered back (exact)
+    return linear.weight.detach()
 
 
 def finalize_linear(

@@ -43,6 +43,7 @@ from engine.model_executor.cuda_graph_runner import (
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch, PromptLogprobPlan
 from engine.model_executor.host_transfer import DeviceToHost
 from engine.model_executor.prompt_logprobs import PromptLogprobsOut, score_prompt
+from engine.model_executor.runner_weights import RunnerWeights
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from engine.models.loader import ModelSource, resolve_model
 from engine.sampling import Sampler, SamplerOutput
@@ -105,7 +106,7 @@ class GenerationBatchResult:
         return self._host_ids
 
 
-class ModelRunner:
+class ModelRunner(RunnerWeights):
     """`tp`: this process's place in a tensor-parallel group (engine/distributed/); rank 0 is the
     runner the scheduler drives, ranks 1..N-1 run `run_worker_step` for each of its forwards.
     Under tensor parallelism the int4 path and the decode CUDA graphs are off (neither is
@@ -142,11 +143,7 @@ class ModelRunner:
         cascade = not args.disable_cascade_attention and self.device.type == "cpu"
         self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)
         log.info("attention backend: %s", self.attn_backend_name)
-        if not args.disable_fused_decode and self.attn_backend_name == "cpu":
-            self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache)
-            if self.model.fused_decode is not None:
-                rows = self.model.fused_decode.max_rows  # None: every projection is dense, no row bound
-                log.info("fused C++ decode layers for %s", "any row count" if rows is None else f"<= {rows} tokens")
+        self._init_fused_decode()
         self.sampler = Sampler()
         # CPU, default threads: a forward of a few tokens leaves one core to the event loop
         # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
@@ -161,6 +158,13 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.is_driver:
             for info in self.tp_ranks:
                 log.info("tensor-parallel %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    def _init_fused_decode(self) -> None:
+        if not self.args.disable_fused_decode and self.attn_backend_name == "cpu":
+            self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache)
+            if self.model.fused_decode is not None:
+                rows = self.model.fused_decode.max_rows  # None: every projection is dense, no row bound
+                log.info("fused C++ decode layers for %s", "any row count" if rows is None else f"<= {rows} tokens")
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights in the forms the forward reads: parameters, buffers and
@@ -183,28 +187,29 @@ class ModelRunner:
             "device": str(self.device),
             "weight_bytes": self.weight_bytes(),
             "kv_pool_tokens": self.token_to_kv_pool_allocator.size,
+            "kv_bytes": self.kv_cache.nbytes,
             "kv_heads": self.shard.num_kv_heads,
         }
 
-    def _load_model(self, q4_max_tokens: int | None) -> tuple[LlamaForCausalLM, int]:
+    def _load_model(self, q4_max_tokens: int | None, source: ModelSource | None = None) -> tuple[LlamaForCausalLM, int]:
         """Build the model for this device and dtype, load it, and give each projection its form.
 
         `q4_max_tokens`: 0 = no int4 path, None = measure the crossover, n = up to n rows.
         Returns the model and the int4 path's row bound in force (0: off).
         """
-        cfg = self.model_config
-        model = MODEL_CLASSES[cfg.architecture](cfg, self.source.hf_config, self.device, self.dtype, self.tp).eval()
+        cfg, source = self.model_config, source or self.source
+        model = MODEL_CLASSES[cfg.architecture](cfg, source.hf_config, self.device, self.dtype, self.tp).eval()
         want_q4 = q4_max_tokens != 0 and int4_kernel_available()
         try:
             if want_q4:  # the dense weights plus, for 4-bit GGUF layers, their blocks
-                q4 = model.load_weights(self.source.iter_weights_q4())
+                q4 = model.load_weights(source.iter_weights_q4())
             else:  # under tensor parallelism, this rank's slice of each weight only
                 select = model.shard.weight_slice if self.tp.size > 1 else None
-                q4 = model.load_weights((name, t, None) for name, t in self.source.iter_weights(select))
+                q4 = model.load_weights((name, t, None) for name, t in source.iter_weights(select))
         except ModelLoadError:
             raise
         except Exception as e:  # a weight file that breaks in an unforeseen way still gets named
-            raise ModelLoadError(f"failed to load weights from {self.source.path}: {e}") from e
+            raise ModelLoadError(f"failed to load weights from {source.path}: {e}") from e
         # Measured with this (loading) thread's torch thread count, torch's default: what the forward
         # uses unless `torch_threads` says otherwise. Not set here on purpose: calling
         # torch.set_num_threads on a second thread slowed every later forward on the device

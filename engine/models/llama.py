@@ -21,6 +21,7 @@ Every implementation choice is made before the first forward, never inside one:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +62,18 @@ _LAYER_PARAMS = {
     "self_attn.k_norm.weight": "self_attn.qk_norm.k_weight",
 }
 _GLOBAL_PARAMS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+
+PARAM, PART, SKIP, UNKNOWN = "param", "part", "skip", "unknown"
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes (`LlamaForCausalLM.weight_target`): a parameter by path
+    (`PARAM`), or part `part` of the projection at `path`, its `attr` ("weight" | "bias") (`PART`)."""
+
+    kind: str
+    path: str = ""
+    part: int = 0
+    attr: str = ""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,33 +169,54 @@ class LlamaForCausalLM(nn.Module):
                 form = blocks.pack()
                 if form is not None and form.out_features == self.lm_head.out_features:
                     packed["lm_head"] = form
-            if name in _GLOBAL_PARAMS:
-                self._copy(params[_GLOBAL_PARAMS[name]], tensor, name)
-                seen.add((_GLOBAL_PARAMS[name], 0))
-            elif name == "lm_head.weight":
-                if not self.cfg.tie_word_embeddings:
-                    self._copy(self.lm_head.weight, tensor, name)
-                    seen.add(("lm_head.weight", 0))
-            elif name.startswith("model.layers."):
-                _, _, idx, rest = name.split(".", 3)
-                module, _, kind = rest.rpartition(".")
-                prefix = f"layers.{int(idx)}."
-                if rest in _LAYER_PARAMS and prefix + _LAYER_PARAMS[rest] in params:
-                    self._copy(params[prefix + _LAYER_PARAMS[rest]], tensor, name)
-                    seen.add((prefix + _LAYER_PARAMS[rest], 0))
-                elif module in _PROJECTIONS and kind in ("weight", "bias"):
-                    path, shard = _PROJECTIONS[module]
-                    self._load_part(prefix + path, kind, shard, tensor, name)
-                    seen.add((f"{prefix}{path}.{kind}", shard))
-                    if kind == "weight":
-                        q4 = blocks if isinstance(blocks, Q4Blocks) else None
-                        self._collect_q4(prefix + path, shard, q4, q4_parts, packed)
-                elif "rotary_emb" not in rest:
-                    raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
+            target = self.weight_target(name)
+            if target.kind == PARAM:
+                self._copy(params[target.path], tensor, name)
+                seen.add((target.path, 0))
+            elif target.kind == PART:
+                self._load_part(target.path, target.attr, target.part, tensor, name)
+                seen.add((f"{target.path}.{target.attr}", target.part))
+                if target.attr == "weight" and target.path != "lm_head":
+                    q4 = blocks if isinstance(blocks, Q4Blocks) else None
+                    self._collect_q4(target.path, target.part, q4, q4_parts, packed)
         missing = sorted(self._expected_parts() - seen)
         if missing:
             raise ModelLoadError(f"weights missing from checkpoint: {[f'{n}[{s}]' for n, s in missing[:8]]}")
         return packed
+
+    def weight_target(self, name: str) -> WeightTarget:
+        """Where a Hugging Face-named tensor (after `llama_layout`) goes in this model: a
+        parameter, a part of a (fused) projection, nothing (`SKIP`: a tied LM head, a rotary
+        buffer), or `UNKNOWN` (a top-level name no architecture here has: loading ignores it, a
+        weight update refuses it). A layer tensor this architecture lacks is a ModelLoadError."""
+        if name in _GLOBAL_PARAMS:
+            return WeightTarget(PARAM, _GLOBAL_PARAMS[name])
+        if name == "lm_head.weight":
+            return WeightTarget(SKIP) if self.cfg.tie_word_embeddings else WeightTarget(PART, "lm_head", 0, "weight")
+        if not name.startswith("model.layers."):
+            return WeightTarget(UNKNOWN)
+        _, _, idx, rest = name.split(".", 3)
+        module, _, kind = rest.rpartition(".")
+        prefix = f"layers.{int(idx)}."
+        if int(idx) < self.cfg.num_layers:
+            if rest in _LAYER_PARAMS:
+                param = prefix + _LAYER_PARAMS[rest]
+                if param in self._param_names():
+                    return WeightTarget(PARAM, param)
+            elif module in _PROJECTIONS and kind in ("weight", "bias"):
+                path, part = _PROJECTIONS[module]
+                return WeightTarget(PART, prefix + path, part, kind)
+            elif "rotary_emb" in rest:
+                return WeightTarget(SKIP)
+        raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
+
+    def _param_names(self) -> frozenset[str]:
+        """Parameter paths of the norms and embeddings (fixed from construction on: a weight
+        update replaces projection modules, never these)."""
+        names = self.__dict__.get("_names")
+        if names is None:
+            names = self.__dict__["_names"] = frozenset(n for n, _ in self.named_parameters())
+        return names
 
     def _load_part(self, path: str, kind: str, shard: int, tensor: torch.Tensor, name: str) -> None:
         linear = self.get_submodule(path)

@@ -140,10 +140,14 @@ def _load_tokenizer(path: str, gguf_file: str | None, mtime_ns: int) -> PreTrain
 
 def resolve_model(model: str | os.PathLike[str]) -> ModelSource:
     """Turn a model argument (the default's name, a folder or a .gguf path) into a ModelSource."""
-    path = default_gguf_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
-    if not path.exists():
+    try:  # a path the OS cannot even look up (a NUL byte, a name too long) is a load error too
+        path = default_gguf_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
+        exists, is_dir = path.exists(), path.is_dir()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"invalid model path {str(model)!r}: {e}") from None
+    if not exists:
         raise ModelLoadError(f"model path does not exist: {path}")
-    if path.is_dir():
+    if is_dir:
         return _resolve_hf_folder(path)
     if path.suffix.lower() == ".gguf":
         return _resolve_gguf(path)

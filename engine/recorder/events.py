@@ -30,12 +30,16 @@ from typing import Any
 import msgspec
 
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
     BatchStrOut,
     BatchTokenOut,
+    ContinueGenerationReq,
     ControlReply,
     FlushCacheReq,
     GetInternalStateReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
     PlanPrefillReq,
     PrefillPlanReply,
     RegisterReq,
@@ -43,6 +47,7 @@ from engine.actors.messages import (
     SetInternalStateReq,
     StopStrMatched,
     TokenizedGenerateReq,
+    UpdateWeightsReq,
     WaitingCount,
 )
 from engine.scheduler.batch import ScheduleBatch
@@ -152,6 +157,11 @@ RecordedMsg = (
     | FlushCacheReq
     | GetInternalStateReq
     | SetInternalStateReq
+    | UpdateWeightsReq
+    | PauseGenerationReq
+    | MemoryOccupationReq
+    | ContinueGenerationReq
+    | AbortAllReq
     | ControlReply
     | PlanPrefillRec
     | PrefillPlanReplyRec
@@ -305,6 +315,8 @@ def recorded_form(msg: msgspec.Struct) -> msgspec.Struct:
         return StrOutRec([d.rid for d in deltas], [len(d.text) for d in deltas], [d.finish_reason for d in deltas])
     if isinstance(msg, ControlReply) and msg.payload:  # state dumps (the dashboard polls them)
         return msgspec.structs.replace(msg, payload={})
+    if isinstance(msg, UpdateWeightsReq) and msg.named_tensors is not None:  # names only, no values
+        return msgspec.structs.replace(msg, named_tensors=[name for name, _ in msg.named_tensors])
     if isinstance(msg, TokenizedGenerateReq) and msg.grammar is not None:
         return msgspec.structs.replace(msg, grammar=None)
     return msg

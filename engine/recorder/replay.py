@@ -41,10 +41,14 @@ import msgspec
 import torch
 
 from engine.actors.messages import (
+    AbortAllReq,
     AbortReq,
+    MemoryOccupationReq,
+    PauseGenerationReq,
     PrefillPlanReply,
     StopStrMatched,
     TokenizedGenerateReq,
+    UpdateWeightsReq,
 )
 from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
@@ -265,7 +269,7 @@ class Replayer:
                 self.rids.add(msg.rid)
                 self.adder.handle_message(self._with_grammar(msg))
                 return None
-            if isinstance(msg, (PlanPrefillRec, RequeueRec, AbortReq, StopStrMatched)):
+            if isinstance(msg, (PlanPrefillRec, RequeueRec, AbortReq, StopStrMatched, AbortAllReq)):
                 return self._internal(self.to_adder, msg, self.adder.handle_message)
         elif actor == SCHEDULER:
             if isinstance(msg, PrefillPlanReplyRec):
@@ -275,6 +279,9 @@ class Replayer:
                     self.plan = self.actor.take_plan(PrefillPlanReply(reply.reply_id, reply.plan, msg.version))
 
                 return self._internal(self.to_scheduler, msg, take)
+            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq)):
+                # applied between turns of the live loop, which replay does not run
+                raise ReplayError(f"the dump has a {type(msg).__name__}: rollout controls are not replayed yet")
             self.actor.handle_message(msg)
         elif actor == OUTPUT and isinstance(msg, TokenOutRec):
             recorded = OutRec(msg.rids, msg.token_ids, msg.finish_reasons)

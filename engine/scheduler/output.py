@@ -56,6 +56,9 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     input_logprobs: list[PromptLogprobs | None] = []
     # An embedding request's pooled, L2-normalised embedding (None for everyone else)
     embeddings: list[list[float] | None] = []
+    # The weights that produced this step's tokens (ServerArgs.weight_version, then each update's):
+    # a step never spans a weight update, which runs with nothing in flight
+    weight_version: str = ""
 
     def add(
         self,

@@ -442,8 +442,8 @@ class Scheduler:
             log.error(msg)
             raise MemoryLeakError(msg)
 
-    def flush_cache(self) -> bool:
-        if not self.is_idle():
+    def flush_cache(self, waiting_ok: bool = False) -> bool:
+        if not (self.holds_nothing() if waiting_ok else self.is_idle()):  # waiting requests hold no KV
             return False
         self.tree_cache.reset()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO

@@ -39,7 +39,17 @@ log = logging.getLogger(__name__)
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
 EMBEDDING_ROUTES = ("/v1/embeddings", "/encode")  # routed like a generation (on "": the least loaded)
-ADMIN_ROUTES = ("/start_profile", "/stop_profile", "/dump_flight_recorder")  # to every worker, as SGLang's DP
+# to every worker, as SGLang's DP (a weight update and a pause hold for the whole engine)
+ADMIN_ROUTES = (
+    "/start_profile",
+    "/stop_profile",
+    "/dump_flight_recorder",
+    "/update_weights_from_disk",
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # probes, scrapers and client generators need no key
 _FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _DONE = b"data: [DONE]"
