@@ -23,7 +23,9 @@ from engine.actors.messages import (
     PauseGenerationReq,
     SetInternalStateReq,
     UpdateWeightsReq,
+    WeightGroupReq,
 )
+from engine.distributed.weight_sync import check_weight_specs
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError
 from engine.scheduler.internal_state import check_internal_state
 
@@ -62,7 +64,13 @@ class EngineOperations:
             )
         if not isinstance(model_path, str) or not model_path:
             raise InvalidRequestError("model_path must be a non-empty string", "model_path")
-        msg = UpdateWeightsReq(0, model_path, None, weight_version, abort_all_requests, flush_cache)
+        msg = UpdateWeightsReq(
+            reply_id=0,
+            model_path=model_path,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )
         return await self._update_weights(msg)
 
     async def update_weights_from_tensor(
@@ -78,7 +86,13 @@ class EngineOperations:
         items = list(named_tensors)
         if not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
             raise InvalidRequestError("named_tensors must be (name, tensor) pairs", "named_tensors")
-        msg = UpdateWeightsReq(0, None, items, weight_version, abort_all_requests, flush_cache)
+        msg = UpdateWeightsReq(
+            reply_id=0,
+            named_tensors=items,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )
         return await self._update_weights(msg)
 
     async def _update_weights(self, msg: UpdateWeightsReq) -> str:
@@ -130,10 +144,67 @@ class EngineOperations:
             while any(rid in receiver.streams for rid in open_now):
                 await asyncio.sleep(0.001)
 
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
+        """Join a trainer's process group (the trainer is rank 0 and hosts it at
+        master_address:master_port; this engine's ranks are rank_offset + tp rank); returns once
+        every member has joined. The trainer side: engine/distributed/weight_sync.py."""
+        params = dict(
+            master_address=master_address,
+            master_port=int(master_port),
+            rank_offset=int(rank_offset),
+            world_size=int(world_size),
+            group_name=group_name,
+            backend=backend,
+        )
+        await self._control(lambda reply_id: WeightGroupReq(reply_id, "init", params))
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> str:
+        """Take the weights the trainer broadcasts over the group, in the order of `names` (Hugging
+        Face names, any subset, as `update_weights_from_tensor`); returns the new weight version.
+        It waits for running requests as the other updates do; the trainer's sends wait for it."""
+        check_weight_specs(names, dtypes, shapes)
+        spec = {
+            "group_name": group_name,
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+        }
+        msg = UpdateWeightsReq(
+            reply_id=0,
+            from_group=spec,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )
+        return await self._update_weights(msg)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._control(lambda reply_id: WeightGroupReq(reply_id, "destroy", {"group_name": group_name}))
+
     async def _control(self, make) -> ControlReply:
         reply = await self._check().control(make, timeout=None)
         if not reply.ok:
-            raise EngineError(reply.error or "the scheduler refused")
+            message = reply.error or "the scheduler refused"
+            if reply.payload.get("error_type") == "InvalidRequestError":
+                raise InvalidRequestError(message)
+            raise EngineError(message)
         return reply
 
     async def start_profile(

@@ -54,6 +54,35 @@ class UpdateWeightsFromDiskRequest(Struct, kw_only=True):
     flush_cache: bool = True
 
 
+class InitWeightsUpdateGroupRequest(Struct, kw_only=True):
+    """POST /init_weights_update_group (SGLang's): join a trainer's group (engine/distributed/weight_sync.py)."""
+
+    master_address: str
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    rank_offset: Annotated[int, msgspec.Meta(ge=1)]
+    world_size: Annotated[int, msgspec.Meta(ge=2)]
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+
+class UpdateWeightsFromDistributedRequest(Struct, kw_only=True):
+    """POST /update_weights_from_distributed (SGLang's): the tensors the trainer broadcasts, in order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, msgspec.Meta(ge=0)]]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class WeightsGroupNameRequest(Struct, kw_only=True):
+    """POST /destroy_weights_update_group."""
+
+    group_name: str = "weight_update_group"
+
+
 class MemoryTagsRequest(Struct, kw_only=True):
     """POST /release_memory_occupation, /resume_memory_occupation (optional body: both tags)."""
 

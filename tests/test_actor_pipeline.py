@@ -25,12 +25,14 @@ from engine.actors.messages import (
     ContinueGenerationReq,
     FlushCacheReq,
     GetInternalStateReq,
+    MemoryOccupationReq,
     PauseGenerationReq,
     SetInternalStateReq,
     StopStrMatched,
     TokenizedGenerateReq,
     UpdateWeightsReq,
     WaitingCount,
+    WeightGroupReq,
 )
 from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
@@ -70,9 +72,11 @@ async def test_dispatcher_routes_each_type_to_its_actor():
         FlushCacheReq(1),
         GetInternalStateReq(2),
         SetInternalStateReq(3, {"new_token_ratio": 0.5}),
-        UpdateWeightsReq(4, model_path="/ckpt"),
+        UpdateWeightsReq(reply_id=4, model_path="/ckpt"),
         PauseGenerationReq(5, "retract"),
         ContinueGenerationReq(6),
+        MemoryOccupationReq(7, True, ["kv_cache"]),
+        WeightGroupReq(8, "destroy", {"group_name": "g"}),
         AbortAllReq(),
     ]
     assert {type(m) for m in msgs} == set(REQUEST_INPUTS)  # every type the dispatcher accepts

@@ -58,6 +58,9 @@ BODY_OPS += ["POST /update_weights_from_disk"]  # any path fuzzing names is not 
 # but not fuzzed; their inputs are checked in tests/test_server_rollout.py.
 PAUSE_OPS = ["POST /pause_generation", "POST /continue_generation"]
 PAUSE_OPS += ["POST /release_memory_occupation", "POST /resume_memory_occupation"]
+# joining a group waits for a trainer that fuzzing never starts (the rendezvous timeout)
+PAUSE_OPS += ["POST /init_weights_update_group", "POST /update_weights_from_distributed"]
+PAUSE_OPS += ["POST /destroy_weights_update_group"]
 OPEN_OPS = ["GET /health", "GET /health_generate", "GET /metrics", "GET /openapi.json"]
 OPS = BODY_OPS + OPEN_OPS
 OPS += ["GET /v1/models", "GET /get_model_info", "GET /model_info", "GET /get_server_info", "GET /server_info"]

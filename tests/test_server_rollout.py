@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import aiohttp
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tests.sched_harness import build_tiny_folder
-from tests.server_helpers import ServerProcess, wait_clean
+from tests.server_helpers import ServerProcess, free_port, server_env, wait_clean
 from tests.weight_helpers import PROMPTS, hf_greedy, perturbed_copy
+from tests.weight_trainer import GROUP
 
 NEW = 10
 TIMEOUT = aiohttp.ClientTimeout(total=120)
@@ -140,3 +145,39 @@ async def test_abort_all_and_pause_abort(rollout_server):
             await wait_clean(s, url)
         async with s.post(url + "/abort_request", json={}) as r:
             assert r.status == 400
+
+
+async def test_weights_from_a_trainer_group_through_the_server(rollout_server):
+    """verl/slime's server mode: the trainer process hosts a gloo group, the server joins it over
+    HTTP, and the weights arrive by broadcast."""
+    srv, a, b = rollout_server
+    url = srv.url
+    sd = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).state_dict()
+    spec = {
+        "names": list(sd),
+        "dtypes": [str(t.dtype) for t in sd.values()],
+        "shapes": [list(t.shape) for t in sd.values()],
+    }
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), b], env=server_env())
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+            async with s.post(url + "/init_weights_update_group", json={**init, "group_name": GROUP}) as r:
+                assert r.status == 200, await r.text()
+            body = {**spec, "group_name": GROUP, "weight_version": "from-trainer"}
+            async with s.post(url + "/update_weights_from_distributed", json=body) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["weight_version"] == "from-trainer"
+            assert (await generate(s, url, PROMPTS[0]))["output_ids"] == hf_greedy(b)[0]
+            async with s.post(url + "/destroy_weights_update_group", json={"group_name": GROUP}) as r:
+                assert r.status == 200
+            async with s.post(url + "/update_weights_from_distributed", json={**body, "group_name": "gone"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+            async with s.post(url + "/update_weights_from_disk", json={"model_path": a}) as r:
+                assert r.status == 200
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()

@@ -5,14 +5,18 @@ end under the weights they started with."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import Engine, EngineError, InvalidRequestError, ModelLoadError, SamplingParams
 from tests.sched_harness import save_random_llama
+from tests.server_helpers import free_port, server_env
 from tests.weight_helpers import GREEDY, PROMPTS, greedy, hf_greedy, hf_named_tensors, make_checkpoints, perturbed_copy
+from tests.weight_trainer import GROUP
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +159,40 @@ async def test_update_from_disk_under_tensor_parallelism(tp3_checkpoints, checkp
         with pytest.raises(InvalidRequestError, match="tensor parallelism"):
             await engine.update_weights_from_tensor(hf_named_tensors(a))
         assert engine.healthy and engine.model_info.weight_version == "tp-b"
+
+
+async def test_update_from_a_trainer_process_group(checkpoints):
+    """A trainer in its own process hosts a gloo group, the engine joins it, and weights arrive by
+    broadcast (SGLang's init_weights_update_group + update_weights_from_distributed)."""
+    a, b = checkpoints["a"], checkpoints["b"]
+    want_a, want_b = hf_greedy(a), hf_greedy(b)
+    sd = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).state_dict()
+    names = list(sd)
+    dtypes = [str(t.dtype) for t in sd.values()]
+    shapes = [list(t.shape) for t in sd.values()]
+    port = free_port()
+    # two rounds: B's weights, then A's under one wrong name (refused whole, after it arrived)
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), b, a], env=server_env())
+    try:
+        async with Engine(a, dtype="float32", max_total_tokens=4096) as engine:
+            assert await greedy(engine) == want_a
+            await engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP)
+            with pytest.raises(InvalidRequestError, match="exists already"):
+                await engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP)
+            version = await engine.update_weights_from_distributed(names, dtypes, shapes, GROUP, weight_version="g1")
+            assert version == "g1"
+            assert await greedy(engine) == want_b
+            wrong = ["model.layers.9.mlp.up_proj.weight", *names[1:]]
+            with pytest.raises(ModelLoadError, match="unexpected weight"):
+                await engine.update_weights_from_distributed(wrong, dtypes, shapes, GROUP)
+            assert await greedy(engine) == want_b and engine.model_info.weight_version == "g1"
+            await engine.destroy_weights_update_group(GROUP)
+            with pytest.raises(InvalidRequestError, match="no weight update group"):
+                await engine.update_weights_from_distributed(names, dtypes, shapes, GROUP)
+            with pytest.raises(InvalidRequestError):
+                await engine.update_weights_from_distributed(names, dtypes[:-1], shapes, GROUP)
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()

@@ -7,8 +7,9 @@ actor that owns that concern:
     AbortReq, StopStrMatched                     -> OverlapScheduler (it holds every request that
                                                     is not waiting, and forwards the others)
     FlushCacheReq, Get/SetInternalStateReq       -> OverlapScheduler (it owns memory and state)
-    UpdateWeightsReq, Pause/ContinueGenerationReq,
-    MemoryOccupationReq, AbortAllReq                                  -> OverlapScheduler (it owns the runner and the
+    UpdateWeightsReq, WeightGroupReq,
+    Pause/ContinueGenerationReq,
+    MemoryOccupationReq, AbortAllReq             -> OverlapScheduler (it owns the runner and the
                                                     running batch; it forwards AbortAllReq)
 
 Why aborts go to the scheduler and not straight to "the holder": a request moves from the queue
@@ -37,6 +38,7 @@ from engine.actors.messages import (
     StopStrMatched,
     TokenizedGenerateReq,
     UpdateWeightsReq,
+    WeightGroupReq,
 )
 from engine.actors.runtime import Actor
 
@@ -51,6 +53,7 @@ REQUEST_INPUTS = (
     PauseGenerationReq,
     ContinueGenerationReq,
     MemoryOccupationReq,
+    WeightGroupReq,
     AbortAllReq,
 )
 
@@ -68,6 +71,7 @@ def routing_table(prefill_adder: Actor, scheduler: Actor) -> dict[type, Actor]:
         PauseGenerationReq: scheduler,
         ContinueGenerationReq: scheduler,
         MemoryOccupationReq: scheduler,
+        WeightGroupReq: scheduler,
         AbortAllReq: scheduler,
     }
 

@@ -33,6 +33,7 @@ from engine.actors.messages import (
     MemoryOccupationReq,
     PauseGenerationReq,
     UpdateWeightsReq,
+    WeightGroupReq,
 )
 from engine.errors import InvalidRequestError
 from engine.scheduler.batch import ScheduleBatch
@@ -44,7 +45,14 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
 # what GenerationControlActions.handle_control takes
-CONTROL_MESSAGES = (UpdateWeightsReq, PauseGenerationReq, ContinueGenerationReq, MemoryOccupationReq, AbortAllReq)
+CONTROL_MESSAGES = (
+    UpdateWeightsReq,
+    PauseGenerationReq,
+    ContinueGenerationReq,
+    MemoryOccupationReq,
+    WeightGroupReq,
+    AbortAllReq,
+)
 
 
 def check_memory_tags(tags: list[str] | None) -> list[str]:
@@ -73,7 +81,8 @@ class GenerationControl:
         self.updates: deque[UpdateWeightsReq] = deque()
         self.weight_version = weight_version
         self.num_updates = 0
-        self.memory_ops: deque[MemoryOccupationReq] = deque()  # applied at the next quiet point
+        # memory release / resume and weight-group joins, applied at the next quiet point
+        self.device_ops: deque[MemoryOccupationReq | WeightGroupReq] = deque()
         self.released: set[str] = set()  # tags whose memory is released now
         # the version of the checkpoint last loaded from disk: what resuming released weights
         # brings back (weights from tensors since then are not kept)
@@ -81,10 +90,10 @@ class GenerationControl:
 
     def blocks_launch(self) -> bool:
         """Nothing new is launched while paused, released, or about to be."""
-        return self.paused is not None or self.pending_pause is not None or bool(self.released or self.memory_ops)
+        return self.paused is not None or self.pending_pause is not None or bool(self.released or self.device_ops)
 
     def has_pending(self) -> bool:
-        return bool(self.updates or self.memory_ops)
+        return bool(self.updates or self.device_ops)
 
     def admits_new(self) -> bool:
         """Whether a plan may admit waiting requests (not while an update waits for the running
@@ -133,8 +142,8 @@ class GenerationControlActions:
         self, msg: UpdateWeightsReq | PauseGenerationReq | ContinueGenerationReq | MemoryOccupationReq | AbortAllReq
     ) -> None:
         control = self.control
-        if isinstance(msg, MemoryOccupationReq):
-            control.memory_ops.append(msg)
+        if isinstance(msg, (MemoryOccupationReq, WeightGroupReq)):
+            control.device_ops.append(msg)
         elif isinstance(msg, UpdateWeightsReq):
             if msg.abort_all_requests:
                 self.abort_all("aborted for a weight update")
@@ -160,18 +169,19 @@ class GenerationControlActions:
                 retract_all(sched)
                 self.hand_back()
             self.replies.send(ControlReply(pause.reply_id, True, {"mode": pause.mode}))
-        while control.memory_ops:
-            await self.change_memory(control.memory_ops.popleft())
+        while control.device_ops:
+            op = control.device_ops.popleft()
+            await (self.change_memory(op) if isinstance(op, MemoryOccupationReq) else self.weight_group(op))
         while control.update_ready(sched):
             if not sched.holds_nothing():  # paused in place: their KV is the old weights'
                 retract_all(sched)
                 self.hand_back()
             await self.run_update(control.updates.popleft())
 
-    async def on_device(self, fn, *args) -> Exception | None:
-        """Run `fn(*args)` on the device stream (between forwards), serving messages meanwhile;
+    async def on_device(self, fn, *args, **kwargs) -> Exception | None:
+        """Run `fn(*args, **kwargs)` on the device stream (between forwards), serving messages meanwhile;
         the exception it raised, if any."""
-        handle = self.stream.launch(fn, *args)
+        handle = self.stream.launch(fn, *args, **kwargs)
         while True:
             got, done = await self.recv_or(handle.future)
             if got is not None:
@@ -189,6 +199,8 @@ class GenerationControlActions:
         runner = self.sched.runner
         if msg.model_path is not None:
             error = await self.on_device(runner.update_weights_from_disk, msg.model_path)
+        elif msg.from_group is not None:
+            error = await self.on_device(runner.update_weights_from_distributed, **msg.from_group)
         else:
             error = await self.on_device(runner.update_weights_from_tensor, list(msg.named_tensors or ()))
         if error is not None:  # nothing was swapped: the old weights serve on
@@ -225,6 +237,18 @@ class GenerationControlActions:
         what = "released" if msg.release else "resumed"
         log.info("memory %s: %s (released now: %s)", what, ", ".join(tags), sorted(control.released) or "nothing")
         payload = {"released": sorted(control.released), "error_type": type(error).__name__ if error else None}
+        reply = ControlReply(msg.reply_id, error is None, payload, error=None if error is None else str(error))
+        self.replies.send(reply)
+
+    async def weight_group(self, msg: WeightGroupReq) -> None:
+        """Join or leave a trainer's weight-update group (on the device stream: the group's
+        broadcasts run there too); then the reply."""
+        runner = self.sched.runner
+        if msg.action == "init":
+            error = await self.on_device(runner.init_weights_update_group, **msg.params)
+        else:
+            error = await self.on_device(runner.destroy_weights_update_group, **msg.params)
+        payload = {"error_type": type(error).__name__ if error else None}
         reply = ControlReply(msg.reply_id, error is None, payload, error=None if error is None else str(error))
         self.replies.send(reply)
 

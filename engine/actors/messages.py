@@ -5,7 +5,7 @@ Flow (SGLang's names where they exist):
     Engine -> Receiver.submit --TokenizedGenerateReq, AbortReq, control--> Dispatcher
     Dispatcher: TokenizedGenerateReq -> PrefillAdderActor
                 AbortReq, StopStrMatched, FlushCacheReq, Get/SetInternalStateReq,
-                UpdateWeightsReq, Pause/ContinueGenerationReq, MemoryOccupationReq,
+                UpdateWeightsReq, WeightGroupReq, Pause/ContinueGenerationReq, MemoryOccupationReq,
                 AbortAllReq -> OverlapScheduler
     OverlapScheduler --PlanPrefillReq--> PrefillAdderActor --PrefillPlanReply--> OverlapScheduler
     OverlapScheduler --RequeueReqs (retracted), AbortReq/StopStrMatched (not running), AbortAllReq--> PrefillAdderActor
@@ -57,6 +57,7 @@ __all__ = [
     "TokenizedGenerateReq",
     "UpdateWeightsReq",
     "WaitingCount",
+    "WeightGroupReq",
 ]
 
 
@@ -104,7 +105,16 @@ class SetInternalStateReq(msgspec.Struct, tag=True):
     state: dict[str, Any]
 
 
-class UpdateWeightsReq(msgspec.Struct, tag=True):
+class WeightGroupReq(msgspec.Struct, tag=True):
+    """Join (`init`) or leave (`destroy`) a trainer's weight-update group
+    (engine/distributed/weight_sync.py); `params` are SGLang's request fields."""
+
+    reply_id: int
+    action: str  # "init" | "destroy"
+    params: dict[str, Any] = {}
+
+
+class UpdateWeightsReq(msgspec.Struct, tag=True, kw_only=True):
     """New weights (SGLang's update_weights_from_disk / _from_tensor): a checkpoint folder or
     .gguf (`model_path`), or Hugging Face-named tensors, by reference (in process only, like the
     Req-carrying messages). Applied once no request holds memory (engine/actors/generation_control.py)."""
@@ -112,6 +122,8 @@ class UpdateWeightsReq(msgspec.Struct, tag=True):
     reply_id: int
     model_path: str | None = None
     named_tensors: Any = None  # list[tuple[str, torch.Tensor]]
+    # or broadcast by a trainer's group: {"group_name", "names", "dtypes", "shapes"}
+    from_group: dict[str, Any] | None = None
     weight_version: str | None = None  # None: the number of updates applied so far, as a string
     abort_all_requests: bool = False
     flush_cache: bool = True

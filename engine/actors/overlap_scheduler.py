@@ -56,6 +56,7 @@ from engine.actors.messages import (
     StopStrMatched,
     UpdateWeightsReq,
     WaitingCount,
+    WeightGroupReq,
 )
 from engine.actors.request_timeline import RequestTimelines
 from engine.actors.runtime import Actor
@@ -100,6 +101,7 @@ _CONTROL = (
     UpdateWeightsReq,
     PauseGenerationReq,
     MemoryOccupationReq,
+    WeightGroupReq,
 )
 
 
@@ -116,6 +118,7 @@ class OverlapScheduler(GenerationControlActions, Actor):
         PauseGenerationReq,
         ContinueGenerationReq,
         MemoryOccupationReq,
+        WeightGroupReq,
         AbortAllReq,
     )
 
@@ -323,7 +326,7 @@ class OverlapScheduler(GenerationControlActions, Actor):
 
     def _has_work(self) -> bool:
         control = self.control
-        if control.pending_pause is not None or control.memory_ops or control.update_ready(self.sched):
+        if control.pending_pause is not None or control.device_ops or control.update_ready(self.sched):
             return True  # the next turn's control_turn applies it
         return not control.blocks_launch() and not self.sched.is_idle()  # paused / released: wait
 

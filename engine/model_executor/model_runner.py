@@ -145,6 +145,7 @@ class ModelRunner(RunnerWeights):
         log.info("attention backend: %s", self.attn_backend_name)
         self._init_fused_decode()
         self.sampler = Sampler()
+        self.weight_update_groups = {}  # trainers' groups by name (runner_weights.py)
         # CPU, default threads: a forward of a few tokens leaves one core to the event loop
         # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
         # worker rank has no event loop to make room for.

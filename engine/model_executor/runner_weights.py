@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.distributed.step_message import TPUpdateWeights, encode
+from engine.distributed.weight_sync import join_weight_update_group, receive_weights
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.host_memory import trim_host_memory
 from engine.model_config import ModelConfig
@@ -31,6 +32,7 @@ class RunnerWeights:
     `_init_cuda_graphs`."""
 
     model: LlamaForCausalLM | None
+    weight_update_groups: dict[str, torch.distributed.ProcessGroup]  # by name (the runner's __init__)
 
     def update_weights_from_disk(self, model_path: str) -> None:
         """Serve the weights of the checkpoint at `model_path` (the same architecture and shapes):
@@ -110,6 +112,43 @@ class RunnerWeights:
         if "kv_cache" in tags and self.kv_cache.released:
             self.kv_cache.restore()
         self._weights_changed()
+
+    # ---- a trainer's weight-update group (engine/distributed/weight_sync.py) -------------------
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
+        """Join the trainer's group as rank `rank_offset + tp rank` (blocks until all have joined)."""
+        self._single_rank("init_weights_update_group")
+        groups = self.weight_update_groups
+        if group_name in groups:
+            raise InvalidRequestError(f"weight update group {group_name!r} exists already", "group_name")
+        groups[group_name] = join_weight_update_group(
+            master_address, master_port, rank_offset + self.tp.rank, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> int:
+        """Receive the trainer's broadcast of these tensors, then apply them as
+        `update_weights_from_tensor` does (all checked before any weight changes)."""
+        group = self.weight_update_groups.get(group_name)
+        if group is None:
+            raise InvalidRequestError(
+                f"no weight update group {group_name!r}: call init_weights_update_group", "group_name"
+            )
+        tensors = receive_weights(group, names, dtypes, shapes, self.device)
+        return self.update_weights_from_tensor(tensors)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        if self.weight_update_groups.pop(group_name, None) is None:
+            raise InvalidRequestError(f"no weight update group {group_name!r}", "group_name")
 
     def _single_rank(self, what: str) -> None:
         if self.tp.size > 1:

@@ -49,6 +49,7 @@ from engine.actors.messages import (
     TokenizedGenerateReq,
     UpdateWeightsReq,
     WaitingCount,
+    WeightGroupReq,
 )
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.req import Req
@@ -160,6 +161,7 @@ RecordedMsg = (
     | UpdateWeightsReq
     | PauseGenerationReq
     | MemoryOccupationReq
+    | WeightGroupReq
     | ContinueGenerationReq
     | AbortAllReq
     | ControlReply

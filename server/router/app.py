@@ -50,6 +50,18 @@ ADMIN_ROUTES = (
     "/release_memory_occupation",
     "/resume_memory_occupation",
 )
+# A trainer's weight-update group names each engine rank by its own rank offset: the trainer
+# addresses each replica itself (a front end sending one body to all would give every replica
+# the same ranks).
+PER_WORKER_ROUTES = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
+
+
+async def per_worker_only(request: web.Request) -> web.Response:
+    raise RouterError(
+        400, f"{request.path} names one engine's ranks: send it to each replica's own URL", code="per_replica_route"
+    )
+
+
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # probes, scrapers and client generators need no key
 _FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _DONE = b"data: [DONE]"
@@ -397,6 +409,8 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
     app.router.add_get("/flush_cache", broadcast)  # a single server takes both; the workers get a POST
     for path in ADMIN_ROUTES:
         app.router.add_post(path, admin_broadcast)
+    for path in PER_WORKER_ROUTES:
+        app.router.add_post(path, per_worker_only)
     if config.enable_metrics:
         app.router.add_get("/metrics", metrics)
     return app
