@@ -159,7 +159,7 @@ async def test_weights_from_a_trainer_group_through_the_server(rollout_server):
         "shapes": [list(t.shape) for t in sd.values()],
     }
     port = free_port()
-    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), b], env=server_env())
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), "2", b], env=server_env())
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}

@@ -146,7 +146,8 @@ def tp3_checkpoints(tmp_path_factory, default_tokenizer) -> dict[str, str]:
 
 
 async def test_update_from_disk_under_tensor_parallelism(tp3_checkpoints, checkpoints):
-    """Each of 3 ranks loads its own shard of the new checkpoint; a bad one is refused by all."""
+    """Each of 3 ranks loads its own shard of the new checkpoint (from disk, or from tensors rank 0
+    broadcasts); a bad one is refused by all."""
     a, b = tp3_checkpoints["a"], tp3_checkpoints["b"]
     want_a, want_b = hf_greedy(a), hf_greedy(b)
     async with Engine(a, dtype="float32", tp_size=3, torch_threads=1, max_total_tokens=4096) as engine:
@@ -156,9 +157,36 @@ async def test_update_from_disk_under_tensor_parallelism(tp3_checkpoints, checkp
         with pytest.raises(ModelLoadError, match="not the served model"):
             await engine.update_weights_from_disk(checkpoints["a"])  # another model's shapes
         assert await greedy(engine) == want_b
-        with pytest.raises(InvalidRequestError, match="tensor parallelism"):
-            await engine.update_weights_from_tensor(hf_named_tensors(a))
-        assert engine.healthy and engine.model_info.weight_version == "tp-b"
+        # from tensors: rank 0 broadcasts them whole, each rank keeps its shard; one bad tensor
+        # fails every rank (the good ones in the same call included)
+        named_a = hf_named_tensors(a)
+        with pytest.raises(ModelLoadError, match="unexpected weight"):
+            await engine.update_weights_from_tensor(
+                [*named_a[:3], ("model.layers.5.mlp.up_proj.weight", named_a[0][1])]
+            )
+        assert await greedy(engine) == want_b
+        assert await engine.update_weights_from_tensor(named_a, weight_version="tp-a") == "tp-a"
+        assert await greedy(engine) == want_a
+        # memory released and resumed on every rank (the weights from the last checkpoint: b)
+        await engine.release_memory_occupation()
+        await engine.resume_memory_occupation()
+        assert await greedy(engine) == want_b and engine.model_info.weight_version == "tp-b"
+        # a trainer's group of 1 + 3 ranks: every engine rank takes the broadcast whole
+        sd = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).state_dict()
+        port = free_port()
+        trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), "4", a], env=server_env())
+        try:
+            await engine.init_weights_update_group("127.0.0.1", port, 1, 4, GROUP)
+            spec = [list(sd), [str(t.dtype) for t in sd.values()], [list(t.shape) for t in sd.values()]]
+            assert await engine.update_weights_from_distributed(*spec, GROUP, weight_version="tp-g") == "tp-g"
+            assert trainer.wait(timeout=120) == 0
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+        await engine.destroy_weights_update_group(GROUP)
+        assert await greedy(engine) == want_a
+        assert engine.healthy
 
 
 async def test_update_from_a_trainer_process_group(checkpoints):
@@ -172,7 +200,7 @@ async def test_update_from_a_trainer_process_group(checkpoints):
     shapes = [list(t.shape) for t in sd.values()]
     port = free_port()
     # two rounds: B's weights, then A's under one wrong name (refused whole, after it arrived)
-    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), b, a], env=server_env())
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.weight_trainer", str(port), "2", b, a], env=server_env())
     try:
         async with Engine(a, dtype="float32", max_total_tokens=4096) as engine:
             assert await greedy(engine) == want_a

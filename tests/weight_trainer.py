@@ -1,6 +1,7 @@
-"""A trainer process for the weight-update group tests: `python -m tests.weight_trainer PORT FOLDER...`
-hosts a 2-member group (it is rank 0, the engine rank 1) and broadcasts each folder's weights in
-turn, in state-dict order (what the engine is told to expect), then exits 0."""
+"""A trainer process for the weight-update group tests: `python -m tests.weight_trainer PORT WORLD
+FOLDER...` hosts a group of WORLD members (it is rank 0, the engine's ranks 1..WORLD-1) and
+broadcasts each folder's weights in turn, in state-dict order (what the engine is told to
+expect), then exits 0."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def state(folder: str) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> int:
-    port, folders = int(argv[0]), argv[1:]
-    group = join_weight_update_group("127.0.0.1", port, 0, 2, GROUP)
+    port, world, folders = int(argv[0]), int(argv[1]), argv[2:]
+    group = join_weight_update_group("127.0.0.1", port, 0, world, GROUP)
     for folder in folders:
         broadcast_weights(group, state(folder).values())
     return 0

@@ -144,6 +144,11 @@ class TPGroup:
             _guarded("step broadcast", lambda: dist.broadcast(data, src=0, group=self.cpu_group))
         return payload if payload is not None else data.numpy().tobytes()
 
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's CPU `tensor` into `tensor` on every rank (a weight update), over the CPU group."""
+        _guarded("weight broadcast", lambda: dist.broadcast(tensor, src=0, group=self.cpu_group))
+        return tensor
+
     def broadcast_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled ids (int64 `[B]`) into `ids` on every rank (the device group)."""
         _guarded("sampled-ids broadcast", lambda: dist.broadcast(ids, src=0, group=self.device_group))

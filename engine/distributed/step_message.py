@@ -10,6 +10,8 @@ its input ids from them on every rank).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import torch
 
@@ -81,7 +83,31 @@ class TPUpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
     model_path: str
 
 
-TPMessage = TPStep | TPStop | TPUpdateWeights
+class TPUpdateTensors(msgspec.Struct, tag="update_tensors", array_like=True):
+    """New weights by name; each tensor follows, whole, by `TPGroup.broadcast_tensor`."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+class TPRunnerCall(msgspec.Struct, tag="call", array_like=True):
+    """Rank 0 makes this ModelRunner call between forwards: every rank makes it (one of
+    `RANK_CALLS`: memory release / resume, a trainer's weight-update group)."""
+
+    method: str
+    kwargs: dict[str, Any]
+
+
+RANK_CALLS = (
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+)
+
+TPMessage = TPStep | TPStop | TPUpdateWeights | TPUpdateTensors | TPRunnerCall
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TPMessage)

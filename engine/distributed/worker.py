@@ -20,7 +20,7 @@ import torch
 from engine.child_process import exit_when_orphaned
 from engine.distributed.launcher import RENDEZVOUS_S
 from engine.distributed.parallel_state import TPGroup
-from engine.distributed.step_message import TPStop, TPUpdateWeights, decode
+from engine.distributed.step_message import RANK_CALLS, TPRunnerCall, TPStop, TPUpdateTensors, TPUpdateWeights, decode
 from engine.errors import EngineError
 from engine.model_executor.model_runner import ModelRunner
 from engine.server_args import ServerArgs
@@ -34,11 +34,16 @@ def serve_steps(runner: ModelRunner) -> str:
         msg = decode(runner.tp.broadcast_bytes(None))
         if isinstance(msg, TPStop):
             return msg.reason
-        if isinstance(msg, TPUpdateWeights):
+        if isinstance(msg, (TPUpdateWeights, TPUpdateTensors, TPRunnerCall)):
             try:
-                runner.update_weights_from_disk(msg.model_path)
-            except EngineError as e:  # every rank failed it together: the old weights serve on
-                log.warning("weight update refused: %s", e)
+                if isinstance(msg, TPUpdateWeights):
+                    runner.update_weights_from_disk(msg.model_path)
+                elif isinstance(msg, TPUpdateTensors):
+                    runner.receive_tensor_update(msg)
+                elif msg.method in RANK_CALLS:
+                    getattr(runner, msg.method)(**msg.kwargs)
+            except EngineError as e:  # rank 0 failed it too (the ranks agree): the old state serves on
+                log.warning("%s refused: %s", type(msg).__name__, e)
             continue
         runner.run_worker_step(msg)
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.distributed.step_message import TPUpdateWeights, encode
-from engine.distributed.weight_sync import join_weight_update_group, receive_weights
+from engine.distributed.step_message import TPRunnerCall, TPUpdateTensors, TPUpdateWeights, encode
+from engine.distributed.weight_sync import join_weight_update_group, parse_dtype, receive_weights
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.host_memory import trim_host_memory
 from engine.model_config import ModelConfig
@@ -50,23 +50,55 @@ class RunnerWeights:
             model, _ = self._load_model(self.q4_max_tokens, source)
         except Exception as e:  # every rank must get here, to agree below
             error = e if isinstance(e, ModelLoadError) else ModelLoadError(f"cannot load {model_path}: {e}")
-        if self.tp.size > 1:
-            failed = [e for e in self.tp.all_gather_object(None if error is None else str(error)) if e is not None]
-            if failed and error is None:
-                error = ModelLoadError(f"another tensor-parallel rank could not load {model_path}: {failed[0]}")
-        if error is not None:
-            raise error
+        self._agree(error, model_path)
         self.model, self.source = model, source
         self._weights_changed()
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Overwrite the named weights (Hugging Face names, any subset); returns how many were
-        given. Everything is checked before any live weight changes."""
+        """Overwrite the named weights (Hugging Face names, any subset, whole tensors); returns
+        how many were given. Everything is checked before any live weight changes. Under tensor
+        parallelism rank 0 broadcasts them and each rank keeps its shard; all apply, or none."""
         self.update_weights_from_tensor_check()
-        staged = stage_tensor_update(self.model, named_tensors, self.q4_max_tokens)
+        named = list(named_tensors)
+        if self.tp.size > 1:
+            for name, tensor in named:  # checked here: a send the others cannot take would hang them
+                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                    raise InvalidRequestError(f"weight {name} must be a floating-point tensor", "named_tensors")
+            names, tensors = [n for n, _ in named], [t for _, t in named]
+            spec = TPUpdateTensors(names, [str(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
+            self.tp.broadcast_bytes(encode(spec))
+            for _, tensor in named:
+                self.tp.broadcast_tensor(tensor.detach().to("cpu").contiguous())
+        return self._apply_tensors(named)
+
+    def receive_tensor_update(self, spec: TPUpdateTensors) -> int:
+        """Ranks 1..N-1: rank 0's `update_weights_from_tensor`, its tensors as it broadcasts them."""
+        named = [
+            (name, self.tp.broadcast_tensor(torch.empty(tuple(shape), dtype=parse_dtype(dtype))))
+            for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True)
+        ]
+        return self._apply_tensors(named)
+
+    def _apply_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        error, staged = None, None
+        try:
+            staged = stage_tensor_update(self.model, named, self.q4_max_tokens)
+        except Exception as e:  # every rank must get here, to agree below
+            error = e if isinstance(e, (ModelLoadError, InvalidRequestError)) else ModelLoadError(str(e))
+        self._agree(error, "the tensors")
+        assert staged is not None
         apply_staged(self.model, staged)
         self._weights_changed()
         return staged.num_tensors
+
+    def _agree(self, error: Exception | None, what: str) -> None:
+        """Raise `error`, or (tensor parallelism) another rank's: every rank swaps, or none."""
+        if self.tp.size > 1:
+            failed = [e for e in self.tp.all_gather_object(None if error is None else str(error)) if e is not None]
+            if failed and error is None:
+                error = ModelLoadError(f"another tensor-parallel rank could not load {what}: {failed[0]}")
+        if error is not None:
+            raise error
 
     def update_weights_from_tensor_check(self) -> None:
         if self.model is None:
@@ -90,7 +122,7 @@ class RunnerWeights:
         """Free the KV pool ("kv_cache") and/or the weights ("weights"), with no request holding
         memory; the memory goes back to the OS (CPU: the pages are unmapped, then malloc_trim)
         or the device. Between forwards, on the forward's thread."""
-        self._single_rank("release_memory_occupation")
+        self._tell_ranks("release_memory_occupation", tags=list(tags))
         self.graph_runner = None
         if self.model is not None:
             self.model.fused_decode = None
@@ -106,9 +138,15 @@ class RunnerWeights:
     def resume_memory_occupation(self, tags: tuple[str, ...]) -> None:
         """Bring back what `release_memory_occupation` freed: the KV pool zeroed, the weights
         reloaded from the checkpoint last loaded from disk."""
-        self._single_rank("resume_memory_occupation")
+        self._tell_ranks("resume_memory_occupation", tags=list(tags))
         if "weights" in tags and self.model is None:
-            self.model, _ = self._load_model(self.q4_max_tokens)
+            model, error = None, None
+            try:
+                model, _ = self._load_model(self.q4_max_tokens)
+            except Exception as e:  # every rank must get here, to agree below
+                error = e if isinstance(e, ModelLoadError) else ModelLoadError(str(e))
+            self._agree(error, "the weights")
+            self.model = model
         if "kv_cache" in tags and self.kv_cache.released:
             self.kv_cache.restore()
         self._weights_changed()
@@ -124,8 +162,17 @@ class RunnerWeights:
         group_name: str = "weight_update_group",
         backend: str = "gloo",
     ) -> None:
-        """Join the trainer's group as rank `rank_offset + tp rank` (blocks until all have joined)."""
-        self._single_rank("init_weights_update_group")
+        """Join the trainer's group as rank `rank_offset + tp rank` (blocks until all have joined:
+        the trainer and every rank of this engine)."""
+        self._tell_ranks(
+            "init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
         groups = self.weight_update_groups
         if group_name in groups:
             raise InvalidRequestError(f"weight update group {group_name!r} exists already", "group_name")
@@ -136,20 +183,26 @@ class RunnerWeights:
     def update_weights_from_distributed(
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
     ) -> int:
-        """Receive the trainer's broadcast of these tensors, then apply them as
-        `update_weights_from_tensor` does (all checked before any weight changes)."""
+        """Receive the trainer's broadcast of these tensors (every rank takes them whole from the
+        trainer), then apply them as `update_weights_from_tensor` does (all checked before any
+        weight changes, on every rank or none)."""
+        self._tell_ranks(
+            "update_weights_from_distributed", group_name=group_name, names=names, dtypes=dtypes, shapes=shapes
+        )
         group = self.weight_update_groups.get(group_name)
         if group is None:
             raise InvalidRequestError(
                 f"no weight update group {group_name!r}: call init_weights_update_group", "group_name"
             )
         tensors = receive_weights(group, names, dtypes, shapes, self.device)
-        return self.update_weights_from_tensor(tensors)
+        return self._apply_tensors(tensors)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._tell_ranks("destroy_weights_update_group", group_name=group_name)
         if self.weight_update_groups.pop(group_name, None) is None:
             raise InvalidRequestError(f"no weight update group {group_name!r}", "group_name")
 
-    def _single_rank(self, what: str) -> None:
-        if self.tp.size > 1:
-            raise InvalidRequestError(f"{what} is not supported under tensor parallelism yet", "tags")
+    def _tell_ranks(self, method: str, **kwargs: object) -> None:
+        """Rank 0 of a tensor-parallel group: the other ranks make the same call (worker.py)."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.broadcast_bytes(encode(TPRunnerCall(method, kwargs)))

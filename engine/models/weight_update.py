@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.distributed.sharding import VOCAB_PARALLEL
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.layers.linear import DenseLinear, Linear, dense_weight, finalize_linear
 from engine.model_config import ModelConfig
-from engine.models.checkpoint_parts import llama_layout
+from engine.models.checkpoint_parts import WeightItem, llama_layout
 from engine.models.llama import PARAM, PART, SKIP, UNKNOWN, LlamaForCausalLM
 
 # ModelConfig fields a new checkpoint may change: everything else fixes shapes or numerics the
@@ -67,16 +68,10 @@ def stage_tensor_update(
     """Check Hugging Face-named tensors against `model` and build what they change (see the
     module docstring); the model itself is untouched. Any subset of the weights may be given
     (a trainer sends its parameters in buckets); a name given twice keeps the last value."""
-    if model.tp.size > 1:
-        raise InvalidRequestError(
-            "update_weights_from_tensor is not supported under tensor parallelism yet "
-            "(update_weights_from_disk is: every rank reads its own shard)",
-            "named_tensors",
-        )
     params = dict(model.named_parameters())
     parts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
     staged = StagedWeights()
-    for name, tensor, _ in llama_layout(((n, t, None) for n, t in named_tensors), model.cfg, model.shard):
+    for name, tensor, _ in llama_layout(_rank_parts(model, named_tensors), model.cfg, model.shard):
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise InvalidRequestError(f"weight {name} must be a floating-point tensor", "named_tensors")
         target = model.weight_target(name)
@@ -86,12 +81,14 @@ def stage_tensor_update(
         if target.kind == SKIP:
             continue
         if target.kind == PARAM:
+            tensor = _vocab_padded(name, tensor, params[target.path].shape[0])
             _check_shape(name, tensor, tuple(params[target.path].shape))
             staged.params[target.path] = tensor
             continue
         assert target.kind == PART
         linear = model.get_submodule(target.path)
         rows = linear.output_sizes[target.part]
+        tensor = _vocab_padded(name, tensor, rows)
         if target.attr == "bias" and linear.bias is None:
             raise ModelLoadError(f"unexpected weight {name} for {model.cfg.architecture}")
         _check_shape(name, tensor, (rows, linear.in_features) if target.attr == "weight" else (rows,))
@@ -121,6 +118,31 @@ def apply_staged(model: LlamaForCausalLM, staged: StagedWeights) -> None:
     for layer in model.layers:  # Qwen3's per-head table is built from the q/k norm weights
         if layer.self_attn.qk_norm is not None:
             layer.self_attn.qk_norm.process_weights_after_loading()
+
+
+def _rank_parts(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[WeightItem]:
+    """Each whole tensor cut to this rank's part (tensor parallelism; a fused checkpoint tensor is
+    cut by `llama_layout`), as a checkpoint is read: a row-parallel bias is rank 0's only."""
+    shard = model.shard
+    for name, tensor in named:
+        part = shard.weight_slice(name) if isinstance(tensor, torch.Tensor) else None
+        if part is not None:
+            dim, start, stop = part
+            if tensor.dim() <= dim or tensor.shape[dim] < stop:
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}: too small to split over the ranks"
+                )
+            tensor = tensor.narrow(dim, start, stop - start)
+        if shard.zero_bias(name):
+            tensor = torch.zeros_like(tensor)
+        yield name, tensor, None
+
+
+def _vocab_padded(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The last vocabulary shard holds zero rows past the real vocabulary (as loading leaves them)."""
+    if name in VOCAB_PARALLEL and tensor.dim() == 2 and tensor.shape[0] < rows:
+        return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], tensor.shape[1])])
+    return tensor
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
