@@ -257,6 +257,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     engine_state = await state.engine.get_internal_state()
     info = {
         **dataclasses.asdict(state.engine.args),
+        "weight_version": state.engine.weight_version,  # the one serving now, not the start-up flag
         **state.config.public(),
         "version": VERSION,
         "inflight_generations": state.inflight,

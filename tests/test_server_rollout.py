@@ -82,6 +82,8 @@ async def test_update_weights_from_disk_through_the_server(rollout_server):
         assert {o["meta_info"]["weight_version"] for o in outs} == {"s1"}
         async with s.get(url + "/get_model_info") as r:
             assert (await r.json())["weight_version"] == "s1"
+        async with s.get(url + "/get_server_info") as r:
+            assert (await r.json())["weight_version"] == "s1"
         # not the served model: a 400 naming why, and the old weights keep serving
         async with s.post(url + "/update_weights_from_disk", json={"model_path": str(srv.log_path)}) as r:
             assert r.status == 400
