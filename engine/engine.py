@@ -39,6 +39,7 @@ from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
 from engine.distributed.driver import TPDriver
 from engine.errors import EngineError, EngineUnhealthyError
+from engine.lora_operations import LoRAOperations
 from engine.model_executor.model_runner import ModelRunner
 from engine.operations import EngineOperations
 from engine.profiler import EngineProfiler
@@ -52,7 +53,7 @@ STREAM_CLOSE_TIMEOUT_S = 10.0
 ENGINE_STOPPED = "engine stopped"  # the error of the abort delta that ends streams left open by stop()
 
 
-class Engine(EngineOperations):
+class Engine(EngineOperations, LoRAOperations):
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
         self.args = ServerArgs(model_path=model, **options)
         self._runner: ModelRunner | None = None
@@ -259,6 +260,8 @@ class Engine(EngineOperations):
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        *,
+        lora_path: str | None = None,
     ) -> RequestStream:
         """Validate and enqueue one request *now*; returns the stream its deltas arrive on.
 
@@ -271,7 +274,15 @@ class Engine(EngineOperations):
         """
         receiver = self._check()
         rid, queue = receiver.submit(
-            prompt, params or SamplingParams(), rid, return_logprob, top_logprobs_num, None, None, logprob_start_len
+            prompt,
+            params or SamplingParams(),
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            None,
+            None,
+            logprob_start_len,
+            lora_path=lora_path,
         )
         return RequestStream(rid, queue, receiver.close_stream)
 
@@ -284,6 +295,8 @@ class Engine(EngineOperations):
         top_logprobs_num: int = 0,
         chat_template_kwargs: dict[str, Any] | None = None,
         logprob_start_len: int = -1,
+        *,
+        lora_path: str | None = None,
     ) -> RequestStream:
         """`open_stream`, awaiting the request's grammar (json_schema / regex / ebnf) first.
 
@@ -297,15 +310,25 @@ class Engine(EngineOperations):
         the N most likely tokens at each step too; `logprob_start_len` = k >= 0 also scores the
         prompt from position k on, in the prefill forward (the first delta's `input_logprobs`);
         -1 reports only the last prompt position (unscored). With `max_new_tokens=0` the
-        request only scores its prompt.
+        request only scores its prompt. `lora_path`: the name of a loaded LoRA adapter to run
+        the request under (None: the base model); an unknown one is an InvalidRequestError.
         """
         receiver = self._check()
         params = params or SamplingParams()
         params.verify(receiver.vocab_size)  # before a compile is queued for a request that cannot run
+        receiver.lora_key(lora_path)
         grammar = await receiver.compile_grammar(params)
         receiver = self._check()  # the engine may have died while it compiled
         rid, queue = receiver.submit(
-            prompt, params, rid, return_logprob, top_logprobs_num, grammar, chat_template_kwargs, logprob_start_len
+            prompt,
+            params,
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            grammar,
+            chat_template_kwargs,
+            logprob_start_len,
+            lora_path=lora_path,
         )
         return RequestStream(rid, queue, receiver.close_stream)
 
@@ -317,6 +340,8 @@ class Engine(EngineOperations):
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        *,
+        lora_path: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Deltas of one request as they come; the last carries `finish_reason`.
 
@@ -325,7 +350,7 @@ class Engine(EngineOperations):
         them at once.
         """
         stream = await self.submit(
-            prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len
+            prompt, params, rid, return_logprob, top_logprobs_num, None, logprob_start_len, lora_path=lora_path
         )
         try:
             async for delta in stream:
@@ -341,10 +366,12 @@ class Engine(EngineOperations):
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        *,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         builder = ResultBuilder()
         stream = await self.submit(
-            prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len
+            prompt, params, rid, return_logprob, top_logprobs_num, None, logprob_start_len, lora_path=lora_path
         )
         try:
             async for delta in stream:

@@ -151,6 +151,19 @@ class ServerArgs:
     # not needed here: the KV pool and weights are freed and rebuilt as tensors on CPU and CUDA alike
     enable_memory_saver: bool = False
     pooling_method: str = "last"
+    # Multi-LoRA serving (engine/lora/, SGLang's flags): PEFT adapters loaded at start-up
+    # (`lora_paths`: "name=path" or "path", which implies enable_lora) or at run time, one per
+    # request by name (`lora_path`); a forward mixes the base model and up to max_loras_per_batch
+    # adapters, resident in a device pool; max_loaded_loras bounds those kept on the host.
+    # max_lora_rank None: the largest rank among lora_paths (16 without any); lora_target_modules
+    # None: the modules lora_paths adapt (every one without any). Not under tensor parallelism or
+    # speculative decoding (refused at start-up).
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
     def verify(self) -> None:
         """Raise `InvalidServerArgsError` naming the first option that cannot work.
@@ -223,11 +236,36 @@ class ServerArgs:
         timeout = self.grammar_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             fail("grammar_compile_timeout", "a positive number of seconds")
+        self._verify_lora(fail, is_int)
         try:
             self.resolved_watchdog_timeout()
             self.resolved_q4_max_tokens()
         except InvalidRequestError as e:
             raise InvalidServerArgsError(e.message, e.param) from None
+
+    def _verify_lora(self, fail, is_int) -> None:
+        if self.lora_paths:
+            self.enable_lora = True  # SGLang's: adapters given at start-up turn LoRA on
+        for name in ("max_loras_per_batch",):
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                fail(name, "an integer >= 1")
+        for name in ("max_loaded_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                fail(name, "an integer >= 1")
+        for name in ("lora_paths", "lora_target_modules"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, str) and v for v in value)):
+                fail(name, "a list of non-empty strings")
+        if self.max_loaded_loras is not None and len(self.lora_paths or ()) > self.max_loaded_loras:
+            fail("max_loaded_loras", f"at least the {len(self.lora_paths or ())} adapters of lora_paths")
+        if not self.enable_lora:
+            return
+        # Neither path applies the adapters yet: refused rather than served without them.
+        if self.tp_size > 1:
+            fail("tp_size", "1 with enable_lora (LoRA under tensor parallelism is not supported yet)")
+        if self.speculative_algorithm is not None:
+            fail("speculative_algorithm", "None with enable_lora (LoRA with speculative decoding is not supported yet)")
 
     def check_context_length(self, model_context_len: int) -> int:
         """The context length to serve: the model's, or a shorter `context_length`; a longer one

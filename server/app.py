@@ -20,7 +20,18 @@ import logging
 from aiohttp import web
 
 from engine import Engine
-from server import admin_api, dashboard, embeddings_api, native_api, openai_api, openapi, rollout_api, tokenizer_api, ws
+from server import (
+    admin_api,
+    dashboard,
+    embeddings_api,
+    lora_api,
+    native_api,
+    openai_api,
+    openapi,
+    rollout_api,
+    tokenizer_api,
+    ws,
+)
 from server.config import ServerConfig
 from server.errors import ApiError, to_api_error
 from server.http_protocol import connection_limit_middleware
@@ -104,6 +115,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     ws.add_routes(app)
     admin_api.add_routes(app)
     rollout_api.add_routes(app)  # /update_weights_from_disk, /pause_generation, /continue_generation
+    lora_api.add_routes(app)  # /load_lora_adapter, /unload_lora_adapter
     dashboard.add_routes(app)  # GET /dashboard and its live feed, GET /dashboard/ws
     openapi.add_routes(app, secured=bool(config.api_key))  # GET /openapi.json, built on startup from every route
     if config.enable_metrics:

@@ -24,6 +24,7 @@ from server.arg_types import (
     positive_int,
 )
 from server.config import ServerConfig
+from server.lora_args import add_lora_args, lora_engine_options
 from server.reasoning import REASONING_PARSERS
 
 # Mirrors engine.server_args.SCHEDULE_POLICIES and POOLING_METHODS (importing it would import torch).
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         "after their own rows, and a batch that fills them does not draft (default: num draft tokens + 1; "
         "raise it where a forward's cost stays flat over more rows, as on a GPU)",
     )
+    add_lora_args(p)
     g = p.add_argument_group("scale-out")
     g.add_argument(
         "--tp-size",
@@ -392,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     """Parse the command line into (engine options, server config); exits 2 on a bad flag."""
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
+    engine.update(lora_engine_options(ns))
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
     for flag in (

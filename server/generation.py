@@ -41,6 +41,7 @@ class GenSpec:
     top_logprobs_num: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
     logprob_start_len: int = -1  # prompt log-probs from this position (engine.Engine.submit)
+    lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 class GenerationGroup:
@@ -74,6 +75,7 @@ class GenerationGroup:
                         s.top_logprobs_num,
                         s.chat_template_kwargs,
                         s.logprob_start_len,
+                        lora_path=s.lora_path,
                     )
                 )
         except InvalidRequestError as e:

@@ -114,13 +114,18 @@ def parse_generate(req: GenerateRequest) -> tuple[list[GenSpec], bool]:
         raise ApiError(
             400, f"logprob_start_len has {len(starts)} entries for {len(prompts)} prompts", param="logprob_start_len"
         )
+    loras = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * len(prompts)
+    if len(loras) != len(prompts):
+        raise ApiError(400, f"lora_path has {len(loras)} entries for {len(prompts)} prompts", param="lora_path")
     specs = []
-    for p, r, lp_start in zip(prompts, rids, starts):
+    for p, r, lp_start, lora in zip(prompts, rids, starts, loras):
         for j in range(n):
             seed = None if sp.seed is None else sp.seed + j
             params = msgspec.structs.replace(sp, n=1, seed=seed)
             rid = r if r is None or n == 1 else f"{r}-{j}"
-            specs.append(GenSpec(p, params, rid, req.return_logprob, req.top_logprobs_num, logprob_start_len=lp_start))
+            specs.append(
+                GenSpec(p, params, rid, req.return_logprob, req.top_logprobs_num, None, lp_start, lora_path=lora)
+            )
     return specs, batch or n > 1
 
 

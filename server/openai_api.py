@@ -102,7 +102,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, CompletionRequest)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -121,13 +121,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = new_id("cmpl")
     start = 0 if req.echo and want_lp else -1
     specs = [
-        GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0, logprob_start_len=start)
+        GenSpec(p, s, f"{rid}-{pi * n + j}", want_lp, req.logprobs or 0, logprob_start_len=start, lora_path=lora)
         for pi, p in enumerate(prompts)
         for j, s in enumerate(samples(sp, n))
     ]
     echo = [(p if isinstance(p, str) else state.engine.detokenize(p)) if req.echo else "" for p in prompts]
     group = GenerationGroup(state, specs, lambda p: schema_param(p, req.response_format))
-    created, model = int(time.time()), state.config.model_name
+    created, model = int(time.time()), lora or state.config.model_name
     if req.stream:
         return await _stream_completion(request, state, req, group, rid, created, echo, n)
     async with group:
@@ -161,7 +161,7 @@ async def _stream_completion(
     echo: list[str],
     n: int,
 ) -> web.StreamResponse:
-    model = state.config.model_name
+    model = group.specs[0].lora_path or state.config.model_name  # the model the request named
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     last: dict[int, Any] = {}
     offsets = {i: len(echo[i // n]) for i in range(len(group.specs))}
@@ -205,8 +205,12 @@ async def _stream_completion(
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     cfg = state.config
-    card = ModelCard(cfg.model_name, int(state.engine_started_at), cfg.model_path, state.context_len)
-    return web.json_response(body=msgspec.json.encode(ModelList([card])))
+    created = int(state.engine_started_at)
+    card = ModelCard(cfg.model_name, created, cfg.model_path, state.context_len)
+    # each loaded LoRA adapter is a model too (a request names it as `model`), vLLM's shape
+    names = state.engine.lora_adapters()
+    adapters = [ModelCard(name, created, name, state.context_len, parent=cfg.model_name) for name in names]
+    return web.json_response(body=msgspec.json.encode(ModelList([card, *adapters])))
 
 
 def add_routes(app: web.Application) -> None:

@@ -163,7 +163,7 @@ def _rename(req: ChatCompletionRequest, tool_grammar: bool) -> Callable[[str | N
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, ChatCompletionRequest)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)  # a LoRA adapter's name, or None: the base model
     top = req.top_logprobs or 0
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -180,10 +180,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     n = req.n or 1
     rid = new_id("chatcmpl")
     specs = [
-        GenSpec(messages, s, f"{rid}-{j}", req.logprobs, top, template_kwargs) for j, s in enumerate(samples(sp, n))
+        GenSpec(messages, s, f"{rid}-{j}", req.logprobs, top, template_kwargs, lora_path=lora)
+        for j, s in enumerate(samples(sp, n))
     ]
     group = GenerationGroup(state, specs, _rename(req, not user_grammar and sp.grammar_spec() is not None))
-    created, model = int(time.time()), state.config.model_name
+    created, model = int(time.time()), lora or state.config.model_name
     if req.stream:
         return await _stream_chat(request, state, req, group, rid, created, plan, fmt)
     async with group:
@@ -223,7 +224,7 @@ async def _stream_chat(
     plan: ToolPlan | None,
     fmt: ReasoningFormat | None,
 ) -> web.StreamResponse:
-    model = state.config.model_name
+    model = group.specs[0].lora_path or state.config.model_name  # the model the request named
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     parsers = [plan.stream_parser(state.tool_format) if plan else None for _ in group.specs]
     reasoners = [StreamingReasoningParser(fmt) if fmt else None for _ in group.specs]

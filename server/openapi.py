@@ -42,9 +42,11 @@ from server.protocol_native import (
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
     LoadInfo,
+    LoadLoRAAdapterRequest,
     MemoryTagsRequest,
     PauseGenerationRequest,
     ProfileRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     VersionResponse,
@@ -95,6 +97,8 @@ _STRUCTS: tuple[type, ...] = (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     WeightsGroupNameRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
     ErrorResponse,
     WsGenerate,
     WsCancel,
@@ -172,6 +176,7 @@ _MEMORY = _Op(
     errors=_BODY_ERRORS,
 )
 _MODEL = _Op("The served model (SGLang)", _json(answers.MODEL_INFO))
+_LORA, _LORA_OK = "a LoRA adapter by name (SGLang; 400: a bad folder, unknown, in use)", _json(answers.SUCCESS)
 _SERVER = _Op("Engine options, HTTP options and the scheduler's state (SGLang)", _json(answers.SERVER_INFO))
 _HEALTH_TEXT = "healthy (empty body)"
 _TOKENIZE = _Op(
@@ -295,6 +300,10 @@ _OPERATIONS: dict[tuple[str, str], _Op] = {
         body="WeightsGroupNameRequest",
         body_required=False,
         errors=_BODY_ERRORS,
+    ),
+    ("POST", "/load_lora_adapter"): _Op(f"Load {_LORA}", _LORA_OK, body="LoadLoRAAdapterRequest", errors=_BODY_ERRORS),
+    ("POST", "/unload_lora_adapter"): _Op(
+        f"Unload {_LORA}", _LORA_OK, body="UnloadLoRAAdapterRequest", errors=_BODY_ERRORS
     ),
     ("POST", "/release_memory_occupation"): _MEMORY,
     ("POST", "/resume_memory_occupation"): _MEMORY,

@@ -255,6 +255,7 @@ class ModelCard(Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "asyncllm"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
 
 class ModelList(Struct):

@@ -35,6 +35,22 @@ class GenerateRequest(Struct, kw_only=True):
     # value for every prompt or one per prompt; the token texts ride along when asked.
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
+    # The LoRA adapter (its name) to run under, one for every prompt or one per prompt (SGLang's);
+    # None: the base model
+    lora_path: str | list[str | None] | None = None
+
+
+class LoadLoRAAdapterRequest(Struct, kw_only=True):
+    """POST /load_lora_adapter (SGLang's): a PEFT LoRA adapter folder, served as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(Struct, kw_only=True):
+    """POST /unload_lora_adapter (SGLang's); refused while a request uses it."""
+
+    lora_name: str
 
 
 class AbortRequest(Struct, kw_only=True):

@@ -92,12 +92,15 @@ class ServerState:
 
         return release
 
-    def check_model(self, model: str | None) -> None:
-        """OpenAI requests name a model: it must be the one we serve (its served name or path).
+    def check_model(self, model: str | None) -> str | None:
+        """OpenAI requests name a model: the one we serve (its served name or path), or a loaded
+        LoRA adapter by name (vLLM's and SGLang's way), whose name is returned (None: the base).
 
         Otherwise 404 with OpenAI's body for it (type invalid_request_error, code model_not_found).
         """
         if model is not None and model not in (self.config.model_name, self.config.model_path):
+            if model in self.engine.lora_adapters():
+                return model
             raise ApiError(
                 404,
                 f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
@@ -105,6 +108,7 @@ class ServerState:
                 code="model_not_found",
                 type="invalid_request_error",
             )
+        return None
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.detokenize([token_id])

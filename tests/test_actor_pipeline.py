@@ -25,6 +25,7 @@ from engine.actors.messages import (
     ContinueGenerationReq,
     FlushCacheReq,
     GetInternalStateReq,
+    LoRAAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     SetInternalStateReq,
@@ -77,6 +78,7 @@ async def test_dispatcher_routes_each_type_to_its_actor():
         ContinueGenerationReq(6),
         MemoryOccupationReq(7, True, ["kv_cache"]),
         WeightGroupReq(8, "destroy", {"group_name": "g"}),
+        LoRAAdapterReq(9, "unload", "adapter"),
         AbortAllReq(),
     ]
     assert {type(m) for m in msgs} == set(REQUEST_INPUTS)  # every type the dispatcher accepts

@@ -54,6 +54,7 @@ BODY_OPS += ["POST /start_profile"]
 BODY_OPS += ["POST /tokenize", "POST /v1/tokenize", "POST /detokenize", "POST /v1/detokenize"]
 BODY_OPS += ["POST /v1/embeddings", "POST /encode"]
 BODY_OPS += ["POST /update_weights_from_disk"]  # any path fuzzing names is not a checkpoint: a 400
+BODY_OPS += ["POST /load_lora_adapter", "POST /unload_lora_adapter"]  # LoRA is off there: a 400
 # A pause holds for every later case of the shared server, so these are in the document's checks
 # but not fuzzed; their inputs are checked in tests/test_server_rollout.py.
 PAUSE_OPS = ["POST /pause_generation", "POST /continue_generation"]

@@ -9,7 +9,8 @@ actor that owns that concern:
     FlushCacheReq, Get/SetInternalStateReq       -> OverlapScheduler (it owns memory and state)
     UpdateWeightsReq, WeightGroupReq,
     Pause/ContinueGenerationReq,
-    MemoryOccupationReq, AbortAllReq             -> OverlapScheduler (it owns the runner and the
+    MemoryOccupationReq, LoRAAdapterReq,
+    AbortAllReq                                  -> OverlapScheduler (it owns the runner and the
                                                     running batch; it forwards AbortAllReq)
 
 Why aborts go to the scheduler and not straight to "the holder": a request moves from the queue
@@ -32,6 +33,7 @@ from engine.actors.messages import (
     ContinueGenerationReq,
     FlushCacheReq,
     GetInternalStateReq,
+    LoRAAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     SetInternalStateReq,
@@ -54,6 +56,7 @@ REQUEST_INPUTS = (
     ContinueGenerationReq,
     MemoryOccupationReq,
     WeightGroupReq,
+    LoRAAdapterReq,
     AbortAllReq,
 )
 
@@ -72,6 +75,7 @@ def routing_table(prefill_adder: Actor, scheduler: Actor) -> dict[type, Actor]:
         ContinueGenerationReq: scheduler,
         MemoryOccupationReq: scheduler,
         WeightGroupReq: scheduler,
+        LoRAAdapterReq: scheduler,
         AbortAllReq: scheduler,
     }
 

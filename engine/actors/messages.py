@@ -6,7 +6,7 @@ Flow (SGLang's names where they exist):
     Dispatcher: TokenizedGenerateReq -> PrefillAdderActor
                 AbortReq, StopStrMatched, FlushCacheReq, Get/SetInternalStateReq,
                 UpdateWeightsReq, WeightGroupReq, Pause/ContinueGenerationReq, MemoryOccupationReq,
-                AbortAllReq -> OverlapScheduler
+                LoRAAdapterReq, AbortAllReq -> OverlapScheduler
     OverlapScheduler --PlanPrefillReq--> PrefillAdderActor --PrefillPlanReply--> OverlapScheduler
     OverlapScheduler --RequeueReqs (retracted), AbortReq/StopStrMatched (not running), AbortAllReq--> PrefillAdderActor
     PrefillAdderActor --WaitingCount--> OverlapScheduler
@@ -45,6 +45,7 @@ __all__ = [
     "ControlReply",
     "FlushCacheReq",
     "GetInternalStateReq",
+    "LoRAAdapterReq",
     "MemoryOccupationReq",
     "PauseGenerationReq",
     "PlanPrefillReq",
@@ -76,6 +77,10 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # read-only object (like the tokenizer). Across a process boundary it would be re-fetched
     # from that side's grammar cache by sampling_params.grammar_spec().
     grammar: CompiledGrammar | None = None
+    # Multi-LoRA: the adapter's name (None: the base model) and its radix cache key (resolved by
+    # the Receiver from the adapters loaded now)
+    lora_path: str | None = None
+    lora_key: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -150,6 +155,16 @@ class MemoryOccupationReq(msgspec.Struct, tag=True):
     reply_id: int
     release: bool
     tags: list[str] = []
+
+
+class LoRAAdapterReq(msgspec.Struct, tag=True):
+    """Load (`path` given) or unload a LoRA adapter by name at run time (SGLang's
+    /load_lora_adapter, /unload_lora_adapter): engine/actors/lora_control.py."""
+
+    reply_id: int
+    action: str  # "load" | "unload"
+    name: str
+    path: str | None = None
 
 
 class AbortAllReq(msgspec.Struct, tag=True):

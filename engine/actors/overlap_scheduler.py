@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import msgspec
 
 from engine.actors.generation_control import CONTROL_MESSAGES, GenerationControl, GenerationControlActions
+from engine.actors.lora_control import LoRAControlActions
 from engine.actors.messages import (
     AbortAllReq,
     AbortReq,
@@ -47,6 +48,7 @@ from engine.actors.messages import (
     ControlReply,
     FlushCacheReq,
     GetInternalStateReq,
+    LoRAAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     PlanPrefillReq,
@@ -102,10 +104,11 @@ _CONTROL = (
     PauseGenerationReq,
     MemoryOccupationReq,
     WeightGroupReq,
+    LoRAAdapterReq,
 )
 
 
-class OverlapScheduler(GenerationControlActions, Actor):
+class OverlapScheduler(GenerationControlActions, LoRAControlActions, Actor):
     accepts = (
         AbortReq,
         StopStrMatched,
@@ -119,6 +122,7 @@ class OverlapScheduler(GenerationControlActions, Actor):
         ContinueGenerationReq,
         MemoryOccupationReq,
         WeightGroupReq,
+        LoRAAdapterReq,
         AbortAllReq,
     )
 
@@ -390,6 +394,8 @@ class OverlapScheduler(GenerationControlActions, Actor):
             self.replies.send(self._set_state(msg))
         elif isinstance(msg, CONTROL_MESSAGES):
             self.handle_control(msg)
+        elif isinstance(msg, LoRAAdapterReq):
+            self.handle_lora(msg)
         elif isinstance(msg, PrefillPlanReply):  # only ever awaited inside _launch_next
             log.error("unexpected plan reply %d outside a planning round; dropped", msg.reply_id)
 

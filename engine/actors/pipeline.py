@@ -71,6 +71,8 @@ def build_pipeline(
         args.is_embedding,
     )
     receiver.dispatcher, receiver.output = dispatcher, output
+    lora = getattr(runner, "lora", None)  # the LoRAManager; None: LoRA off
+    receiver.loras = lora.adapters() if lora is not None else None
     output.receiver, output.dispatcher = receiver, dispatcher
     adder.scheduler, adder.output = scheduler, output
     scheduler.adder, scheduler.output, scheduler.replies = adder, output, receiver

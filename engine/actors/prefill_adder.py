@@ -129,6 +129,8 @@ class PrefillAdderActor(Actor):
             grammar=msg.grammar,
             logprob_start_len=msg.logprob_start_len,
             pooling=msg.pooling,
+            lora_path=msg.lora_path,
+            lora_key=msg.lora_key,
         )
         if len(msg.input_ids) + self.planner.page_size > self.pool_tokens:
             req.abort(

@@ -66,6 +66,11 @@ class Receiver(Actor):
         self.streams: dict[str, asyncio.Queue[StreamDelta]] = {}
         self.pending: dict[int, asyncio.Future[ControlReply]] = {}
         self._ids = itertools.count()
+        # Multi-LoRA: the adapters a request may name, with their radix cache keys (None: LoRA
+        # off), kept by the Engine's load/unload calls; the adapter of each open request (its
+        # stream's rid) that named one, so an unload in use is refused (engine/lora_operations.py)
+        self.loras: dict[str, int] | None = None
+        self.lora_of: dict[str, str] = {}
 
     def tokenize(self, prompt: Prompt, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -114,6 +119,7 @@ class Receiver(Actor):
         chat_template_kwargs: dict[str, Any] | None = None,
         logprob_start_len: int = -1,
         embed: bool = False,
+        lora_path: str | None = None,
     ) -> tuple[str, asyncio.Queue[StreamDelta]]:
         """Validate and enqueue one request; returns its rid and the queue its deltas arrive on.
 
@@ -126,6 +132,7 @@ class Receiver(Actor):
         elif self.is_embedding:
             raise InvalidRequestError("this engine serves embeddings only (is_embedding): use encode", "model")
         params.verify(self.vocab_size)
+        lora_key = self.lora_key(lora_path)
         if not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be between 0 and 20", "top_logprobs")
         spec = params.grammar_spec()
@@ -157,12 +164,33 @@ class Receiver(Actor):
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.streams[rid] = queue
         pooling = self.pooling_method if embed else None
-        req = TokenizedGenerateReq(rid, ids, params, seed, return_logprob, top_logprobs_num, start, pooling, grammar)
+        req = TokenizedGenerateReq(
+            rid, ids, params, seed, return_logprob, top_logprobs_num, start, pooling, grammar, lora_path, lora_key
+        )
+        if lora_path is not None:
+            self.lora_of[rid] = lora_path
         if spec is not None and grammar is None:
             self.compiling[rid] = asyncio.get_running_loop().create_task(self._compile_then_forward(req))
         else:
             self._forward(req)
         return rid, queue
+
+    def lora_key(self, lora_path: str | None) -> int:
+        """The radix cache key of the adapter a request names (0: the base model); an
+        InvalidRequestError on `lora_path` when LoRA is off or no such adapter is loaded."""
+        if lora_path is None:
+            return 0
+        if self.loras is None:
+            raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora)", "lora_path")
+        if not isinstance(lora_path, str) or lora_path not in self.loras:
+            known = ", ".join(sorted(self.loras)) or "none"
+            raise InvalidRequestError(f"unknown LoRA adapter {lora_path!r} (loaded: {known})", "lora_path")
+        return self.loras[lora_path]
+
+    def lora_users(self, name: str) -> int:
+        """Open requests on adapter `name` (waiting or running); forgets the closed ones."""
+        self.lora_of = {rid: n for rid, n in self.lora_of.items() if rid in self.streams or rid in self.compiling}
+        return sum(1 for n in self.lora_of.values() if n == name)
 
     def _forward(self, req: TokenizedGenerateReq) -> None:
         params = req.sampling_params
@@ -232,6 +260,7 @@ class Receiver(Actor):
             queue.put_nowait(delta)
             if delta.finish_reason is not None:
                 self.streams.pop(delta.rid, None)
+                self.lora_of.pop(delta.rid, None)
 
     def fail_all(self, message: str) -> None:
         """End every open stream with an error (the engine lost a stage)."""

@@ -39,6 +39,7 @@ class CacheableReq(Protocol):
     kv_committed_len: int  # positions with KV slots (some may belong to a forward still running)
     kv_computed_len: int  # positions whose KV a forward that completed has written
     last_node: Any  # the tree node its prefix ends at (locked while it runs)
+    lora_key: int  # its prefix cache namespace: the LoRA adapter's cache key (0: the base model)
 
 
 def empty_slots() -> torch.Tensor:
@@ -62,12 +63,17 @@ class BasePrefixCache(ABC):
     """What the scheduler needs from a prefix cache, radix or not."""
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, PrefixNode]:
-        """Longest cached prefix of `key`: (its int64 KV slots, the node it ends at)."""
+    def match_prefix(self, key: list[int], namespace: int = 0) -> tuple[torch.Tensor, PrefixNode]:
+        """Longest cached prefix of `key` in `namespace` (a LoRA adapter's cache key; 0: the base
+        model): (its int64 KV slots, the node it ends at)."""
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: int = 0) -> int:
         """Cache `key -> value`; return how many leading tokens were already cached."""
+
+    def drop_namespace(self, namespace: int) -> int:
+        """Free every prefix cached in `namespace` (an unloaded adapter's); the tokens freed."""
+        return 0
 
     @abstractmethod
     def cache_finished_req(self, req: CacheableReq) -> None:

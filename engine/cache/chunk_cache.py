@@ -21,10 +21,10 @@ class ChunkCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
+    def match_prefix(self, key: list[int], namespace: int = 0) -> tuple[torch.Tensor, None]:
         return empty_slots(), None
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: int = 0) -> int:
         return 0
 
     def cache_finished_req(self, req: CacheableReq) -> None:

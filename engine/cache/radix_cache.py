@@ -24,6 +24,12 @@ forward is still running, leaves committed-but-uncomputed slots: they are freed,
 so no later request can match a prefix whose KV was never written. The tree part of a request's
 row is the path to its `last_node` (`_tree_len`), whatever its own tail's length.
 
+Namespaces (multi-LoRA). KV computed under a LoRA adapter differs from the base model's for the
+same tokens, so each adapter's prefixes live under a root of their own, keyed by the registry's
+`cache_key` (0: the base model, `self.root`): `match_prefix` and `insert` take the namespace, and
+a request's hand-off uses its `lora_key`. Roots are the nodes without a parent; nothing is ever
+shared across them. `drop_namespace` frees an unloaded adapter's whole tree.
+
 Invariant the scheduler checks when idle (no running, no chunked request):
 
     allocator.available_size() + cache.evictable_size() + cache.protected_size() == allocator.size
@@ -103,6 +109,7 @@ class RadixCache(BasePrefixCache):
         """Forget the tree without freeing anything (construction; `reset` frees first)."""
         self.root = TreeNode([], empty_slots(), None)
         self.root.lock_ref = 1  # never evicted, never counted
+        self.roots: dict[int, TreeNode] = {0: self.root}  # by namespace (see the module docstring)
         self._evictable = 0
         self._protected = 0
 
@@ -116,7 +123,7 @@ class RadixCache(BasePrefixCache):
 
     def _nodes(self) -> list[TreeNode]:
         """Every node but the root."""
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -158,11 +165,38 @@ class RadixCache(BasePrefixCache):
 
     # ---- match / insert -----------------------------------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached page-aligned prefix; splits a node so the result ends at a node."""
+    def _root(self, namespace: int) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode([], empty_slots(), None)
+            root.lock_ref = 1
+        return root
+
+    def drop_namespace(self, namespace: int) -> int:
+        """Free every prefix cached under `namespace` (an adapter unloaded: no request can use
+        them again); returns the tokens freed. None of them may be locked."""
+        root = self.roots.get(namespace)
+        if root is None or namespace == 0:
+            return 0
+        nodes, stack = [], list(root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        if any(n.lock_ref for n in nodes):
+            raise RuntimeError(f"drop_namespace({namespace}) with prefixes still locked by requests")
+        del self.roots[namespace]
+        freed = sum(len(n.value) for n in nodes)
+        self._evictable -= freed
+        if nodes:
+            self.token_to_kv_pool_allocator.free(torch.cat([n.value for n in nodes]))
+        return freed
+
+    def match_prefix(self, key: list[int], namespace: int = 0) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix in `namespace`; splits a node so the result ends at a node."""
         key = key[: self._aligned(len(key))]
         now = next(self._clock)
-        node, values = self.root, []
+        node, values = self._root(namespace), []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -177,7 +211,7 @@ class RadixCache(BasePrefixCache):
             node, key = child, key[n:]
         return (torch.cat(values) if values else empty_slots()), node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: int = 0) -> int:
         """Insert the page-aligned part of `key -> value`; return the length already present.
 
         For the already-present part the tree keeps its own slots: the caller still owns (and must
@@ -188,7 +222,7 @@ class RadixCache(BasePrefixCache):
         n_keep = self._aligned(len(key))
         key, value = key[:n_keep], value[:n_keep]
         now = next(self._clock)
-        node, present = self.root, 0
+        node, present = (self._root(namespace) if key else self.root), 0
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -237,7 +271,7 @@ class RadixCache(BasePrefixCache):
         alloc = self.token_to_kv_pool_allocator
         tree_len = self._tree_len(req)
         n = self._insertable(req, token_ids, tree_len)
-        present = self.insert(token_ids[:n], kv[:n])
+        present = self.insert(token_ids[:n], kv[:n], req.lora_key)
         alloc.free(kv[tree_len:present])  # our duplicates of what the tree had
         alloc.free(kv[n:])  # the tail: unaligned, uncomputed, or without a known token
         self.req_to_token_pool.free(row)
@@ -259,9 +293,9 @@ class RadixCache(BasePrefixCache):
         kv = self.req_to_token_pool.req_to_token[row, :committed].to(torch.int64)
         tree_len = self._tree_len(req)
         n = self._insertable(req, token_ids, tree_len)
-        present = self.insert(token_ids[:n], kv[:n])
+        present = self.insert(token_ids[:n], kv[:n], req.lora_key)
         self.token_to_kv_pool_allocator.free(kv[tree_len:present])
-        new_indices, new_node = self.match_prefix(token_ids[:n])
+        new_indices, new_node = self.match_prefix(token_ids[:n], req.lora_key)
         assert len(new_indices) == n, "a just-inserted key must match in full"
         self.req_to_token_pool.write(row, 0, new_indices)
         req.prefix_indices = torch.cat([new_indices, kv[n:]])
@@ -272,7 +306,7 @@ class RadixCache(BasePrefixCache):
     # ---- locks and eviction -------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.value)
                 self._protected += len(node.value)
@@ -280,7 +314,7 @@ class RadixCache(BasePrefixCache):
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
             node.lock_ref -= 1
@@ -307,7 +341,7 @@ class RadixCache(BasePrefixCache):
             parent = node.parent
             assert parent is not None
             del parent.children[self._child_key(node.key)]
-            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+            if parent.parent is not None and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         if to_free:
             self.token_to_kv_pool_allocator.free(torch.cat(to_free))
@@ -315,7 +349,7 @@ class RadixCache(BasePrefixCache):
 
     def record_hit(self, node: TreeNode | None) -> None:
         """An admitted request reuses the path to `node`: count a hit on each node of it."""
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.hit_count += 1
             node = node.parent
 
@@ -323,16 +357,16 @@ class RadixCache(BasePrefixCache):
         """The cached prefixes an operator wants to see: the `k` most hit and the `k` largest
         subtrees (by tokens below and including the node), most hit first."""
         subtree: dict[int, int] = {}
-        depth: dict[int, int] = {self.root.id: 0}
+        depth: dict[int, int] = {root.id: 0 for root in self.roots.values()}
         nodes = self._nodes()  # parents before children (a stack walk from the root)
         for node in nodes:
             depth[node.id] = depth[node.parent.id] + len(node.key)  # type: ignore[union-attr]
         for node in reversed(nodes):  # children before parents
             subtree[node.id] = subtree.get(node.id, 0) + len(node.key)
-            if node.parent is not self.root:
+            if node.parent.parent is not None:  # type: ignore[union-attr]
                 subtree[node.parent.id] = subtree.get(node.parent.id, 0) + subtree[node.id]  # type: ignore[union-attr]
         by_hits = sorted((n for n in nodes if n.hit_count), key=lambda n: (-n.hit_count, -depth[n.id]))[:k]
-        by_size = sorted((n for n in nodes if n.parent is self.root), key=lambda n: -subtree[n.id])[:k]
+        by_size = sorted((n for n in nodes if n.parent.parent is None), key=lambda n: -subtree[n.id])[:k]
         chosen = list({n.id: n for n in [*by_hits, *by_size]}.values())
         chosen.sort(key=lambda n: (-n.hit_count, -subtree[n.id]))
         return [
@@ -342,7 +376,7 @@ class RadixCache(BasePrefixCache):
     def _path_head(self, node: TreeNode, n: int = PREFIX_HEAD_TOKENS) -> list[int]:
         """The first `n` token ids of the path from the root to `node`."""
         path: list[TreeNode] = []
-        while node is not self.root and node is not None:
+        while node is not None and node.parent is not None:
             path.append(node)
             node = node.parent  # type: ignore[assignment]
         head: list[int] = []

@@ -173,8 +173,9 @@ class DecodeGraphRunner:
         return bool(self.graphs)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        """A decode batch that fits the largest captured size."""
-        return fb.forward_mode.is_decode() and 1 <= fb.batch_size <= self.max_bs
+        """A decode batch that fits the largest captured size, without LoRA rows (the graphs
+        were captured without the adapters' deltas)."""
+        return fb.forward_mode.is_decode() and 1 <= fb.batch_size <= self.max_bs and fb.lora is None
 
     def run_static(self, bs: int, seq_lens_cpu: list[int]) -> None:
         """What a graph captures: metadata + model forward over columns [:bs]; logits -> self.logits[:bs].

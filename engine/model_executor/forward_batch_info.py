@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
+from engine.lora.batch import LoRABatchInfo
 from engine.model_executor.host_transfer import host_to_device
 from engine.sampling import SamplingBatchInfo
 
@@ -82,6 +83,14 @@ class ModelWorkerBatch:
     # rows each request of the batch has (batch order); empty when none
     embed_rows: list[int] = field(default_factory=list)
     embed_counts: list[int] = field(default_factory=list)
+    # Multi-LoRA: each request's adapter slot in the LoRA pool (engine/lora/pool.py; BASE_SLOT -1:
+    # the base model), in batch order; None when no request of the batch uses an adapter
+    lora_slots: list[int] | None = None
+
+    def lora_rows(self) -> list[int]:
+        """The forward's rows of each request, in batch order (what `lora_slots` applies to):
+        an extend's new tokens (MIXED: then 1 per decode row; verify: its drafts + 1), 1 per decode."""
+        return list(self.extend_seq_lens) if self.forward_mode.is_extend() else [1] * len(self.seq_lens_cpu)
 
 
 class AttentionBackend(Protocol):
@@ -136,6 +145,9 @@ class ForwardBatch:
     # leaves in `embed_hidden`
     embed_rows: torch.Tensor | None = None
     embed_hidden: torch.Tensor | None = None
+    # The LoRA view of this forward (set by the runner's LoRAManager); None: no adapter rows, the
+    # projections run exactly as without LoRA
+    lora: LoRABatchInfo | None = None
 
     @classmethod
     def init_new(

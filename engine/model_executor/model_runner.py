@@ -42,6 +42,7 @@ from engine.model_executor.cuda_graph_runner import (
 )
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch, PromptLogprobPlan
 from engine.model_executor.host_transfer import DeviceToHost
+from engine.model_executor.lora_manager import LoRAManager
 from engine.model_executor.prompt_logprobs import PromptLogprobsOut, score_prompt
 from engine.model_executor.runner_weights import RunnerWeights
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
@@ -135,6 +136,7 @@ class ModelRunner(RunnerWeights):
         )
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
         self.shard = shard = self.model.shard
+        self.lora = LoRAManager.build(args, cfg, self.device, self.dtype, shard)  # None: LoRA off
         self._init_memory()
         if self.tp.size > 1 and self.tp.is_driver:  # the other ranks replay its table writes
             self.req_to_token_pool.record_writes()
@@ -293,9 +295,10 @@ class ModelRunner(RunnerWeights):
 
     def init_forward_batch(self, batch: ModelWorkerBatch) -> ForwardBatch:
         """`batch` on the device (`ForwardBatch.init_new`), before any attention metadata."""
-        return ForwardBatch.init_new(
-            batch, self.req_to_token_pool, self.kv_cache, self.attn_backend, self.last_token_ids
-        )
+        fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.kv_cache, self.attn_backend, self.last_token_ids)
+        if self.lora is not None:
+            fb.lora = self.lora.batch_info(batch)
+        return fb
 
     def _run_forward(self, batch: ModelWorkerBatch, sampled: bool) -> tuple[torch.Tensor, bool, ForwardBatch]:
         """(logits, whether they are a view of the graph runner's static buffer, overwritten by the

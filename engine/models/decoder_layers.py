@@ -10,7 +10,9 @@
   `post_feedforward_layernorm`) before the residual add; its attention normalises the whole q and k.
 
 Attention and MLP are shared: q|k|v and gate|up are each one fused projection (fewer kernel
-launches), attention goes through the ForwardBatch's backend over the paged KV pool.
+launches), attention goes through the ForwardBatch's backend over the paged KV pool. A forward
+with LoRA rows (`fb.lora`, engine/lora/) adds each adapter's delta to the four projections'
+outputs in place, before the row-parallel all-reduce; without, the code run is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.layers.linear import DenseLinear
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.layers.qk_norm import QKNorm, WholeQKNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.lora.ops import apply_lora
 from engine.model_config import QK_NORM_HEAD, QK_NORM_WHOLE, ModelConfig
 from engine.model_executor.forward_batch_info import ForwardBatch
 
@@ -52,6 +55,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if fb.lora is not None:
+            apply_lora(x, qkv, self.layer_id, "qkv_proj", fb.lora)
         # q and k are adjacent in qkv: normalise and rotate them as one [t, H + KVH, D] slab
         # (half the per-layer elementwise ops of doing each; same per-element arithmetic).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -60,7 +65,11 @@ class LlamaAttention(nn.Module):
             qk = self.qk_norm(qk)
         qk = self.rotary_emb(qk, cos, sin)
         attn = fb.attn_backend.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, fb)
-        return self.tp.all_reduce(self.o_proj(attn))
+        if fb.lora is None:
+            return self.tp.all_reduce(self.o_proj(attn))
+        out = self.o_proj(attn)
+        apply_lora(attn, out, self.layer_id, "o_proj", fb.lora)
+        return self.tp.all_reduce(out)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
@@ -68,16 +77,23 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """This rank's MLP columns: gate|up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, shard: TPShard, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, tp: TPGroup, shard: TPShard, device: torch.device, dtype: torch.dtype
+    ):
         super().__init__()
+        self.layer_id = layer_id  # the LoRA pool's buffers are per layer
         self.tp = tp
         inter = shard.intermediate_size
         self.gate_up_proj = DenseLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, device, dtype)
         self.down_proj = DenseLinear(inter, (cfg.hidden_size,), cfg.mlp_bias, device, dtype)
         self.act_fn = get_act_and_mul(cfg.hidden_act, inter, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if fb.lora is None:
+            return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
+        gate_up = apply_lora(x, self.gate_up_proj(x), self.layer_id, "gate_up_proj", fb.lora)
+        h = self.act_fn(gate_up)
+        return self.tp.all_reduce(apply_lora(h, self.down_proj(h), self.layer_id, "down_proj", fb.lora))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
@@ -89,14 +105,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, tp, shard, device, dtype)
+        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """`x` is this forward's own residual stream (the embedding output or a layer's sum): the
         fused residual add updates it in place."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, fb)
         h, x = self.post_attention_layernorm(attn, x)
-        return x + self.mlp(h)
+        return x + self.mlp(h, fb)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
@@ -111,7 +127,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, fb)
         h, x = self.post_attention_layernorm(attn * self.residual_multiplier, x)
-        return x + self.mlp(h) * self.residual_multiplier
+        return x + self.mlp(h, fb) * self.residual_multiplier
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
@@ -125,12 +141,12 @@ class Olmo2DecoderLayer(nn.Module):
         eps, fp32_weight = cfg.rms_norm_eps, cfg.norm_weight_before_cast
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, device, dtype, fp32_weight)
-        self.mlp = LlamaMLP(cfg, tp, shard, device, dtype)
+        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, device, dtype, fp32_weight)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, fb))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        return x + self.post_feedforward_layernorm(self.mlp(x, fb))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 

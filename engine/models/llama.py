@@ -119,7 +119,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb.cos_sin(fb.positions)
         fused = self.fused_decode
-        plan = fused.plan(fb, x.shape[0]) if fused is not None else None
+        # the fused loop has no LoRA: a forward with adapter rows runs the layers
+        plan = fused.plan(fb, x.shape[0]) if fused is not None and fb.lora is None else None
         if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
             x = fused.forward(x, cos, sin, fb, plan)
         else:

@@ -38,6 +38,7 @@ from engine.actors.messages import (
     ControlReply,
     FlushCacheReq,
     GetInternalStateReq,
+    LoRAAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     PlanPrefillReq,
@@ -162,6 +163,7 @@ RecordedMsg = (
     | PauseGenerationReq
     | MemoryOccupationReq
     | WeightGroupReq
+    | LoRAAdapterReq
     | ContinueGenerationReq
     | AbortAllReq
     | ControlReply

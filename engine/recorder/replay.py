@@ -43,6 +43,7 @@ import torch
 from engine.actors.messages import (
     AbortAllReq,
     AbortReq,
+    LoRAAdapterReq,
     MemoryOccupationReq,
     PauseGenerationReq,
     PrefillPlanReply,
@@ -279,7 +280,7 @@ class Replayer:
                     self.plan = self.actor.take_plan(PrefillPlanReply(reply.reply_id, reply.plan, msg.version))
 
                 return self._internal(self.to_scheduler, msg, take)
-            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq)):
+            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq, LoRAAdapterReq)):
                 # applied between turns of the live loop, which replay does not run
                 raise ReplayError(f"the dump has a {type(msg).__name__}: rollout controls are not replayed yet")
             self.actor.handle_message(msg)

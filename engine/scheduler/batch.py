@@ -279,6 +279,8 @@ class ScheduleBatch:
             prompt_logprobs=prompt_lp,
             embed_rows=embed_rows,
             embed_counts=embed_counts,
+            # each request's pinned adapter slot; None keeps a batch without adapters LoRA-free
+            lora_slots=[r.lora_slot for r in reqs] if any(r.lora_slot >= 0 for r in reqs) else None,
         )
 
     def _embed_plan(self) -> tuple[list[int], list[int]]:

@@ -54,9 +54,10 @@ def admission_need(req: Req, page_size: int) -> int:
 
 
 def prompt_head(req: Req) -> tuple[int, ...] | None:
-    """The key under which requests count as sharing a prefix; None for short prompts."""
+    """The key under which requests count as sharing a prefix; None for short prompts. It starts
+    with the request's LoRA cache key: requests on different adapters never share a prefix."""
     ids = req.fill_ids
-    return tuple(ids[:IN_BATCH_PREFIX_LEN]) if len(ids) > IN_BATCH_PREFIX_LEN else None
+    return (req.lora_key, *ids[:IN_BATCH_PREFIX_LEN]) if len(ids) > IN_BATCH_PREFIX_LEN else None
 
 
 class SchedulePolicy:

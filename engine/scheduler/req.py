@@ -76,6 +76,9 @@ class Req:
         "last_node",
         "logit_bias",
         "logprob_start_len",
+        "lora_key",
+        "lora_path",
+        "lora_slot",
         "max_context_len",
         "origin_input_ids",
         "output_ids",
@@ -109,6 +112,8 @@ class Req:
         grammar: CompiledGrammar | None = None,
         logprob_start_len: int = -1,
         pooling: str | None = None,
+        lora_path: str | None = None,
+        lora_key: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -138,6 +143,10 @@ class Req:
         self.pooling = pooling
         self.pooled: tuple[torch.Tensor, int] | None = None
         self.last_node: Any = None  # radix tree node holding this request's cached prefix
+        # Multi-LoRA: the adapter's name (None: the base model), its radix cache key (prefixes
+        # computed under one adapter are only matched by requests on the same one) and its slot in
+        # the LoRA pool while the scheduler holds the request (pinned; -1: none, lora_admission.py)
+        self.lora_path, self.lora_key, self.lora_slot = lora_path, lora_key, -1
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first round)
         self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
         self.kv_committed_len = 0  # positions with KV slots (a running forward may still be writing some)
@@ -199,7 +208,7 @@ class Req:
                 limit = min(limit, self.logprob_start_len)
             if self.pooling in ("mean", "cls"):  # pooled over rows a cached prefix has no states for
                 limit = 0
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit])
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit], self.lora_key)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     def input_logprob_rows(self, prefix_len: int, extend_len: int) -> tuple[int, int]:

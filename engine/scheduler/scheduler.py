@@ -36,6 +36,7 @@ from engine.host_memory import trim_host_memory
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.launched import LaunchedBatch, MemoryLeakError
+from engine.scheduler.lora_admission import LoRAAdmission
 from engine.scheduler.output import BatchTokenOut, PromptOutputs, StepLogprobs, take_embedding, take_prompt_logprobs
 from engine.scheduler.policy import PrefillAdder, SchedulePolicy, admission_need, prompt_head
 from engine.scheduler.req import Finished, FinishReason, Req
@@ -59,22 +60,19 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, args: ServerArgs, tokenizer: Any = None) -> None:
         self.runner, self.args = runner, args
         self.tokenizer = tokenizer  # stop strings are checked here with it (None: by the output side only)
-        self.page_size = args.page_size
+        self.page_size, self.vocab_size = args.page_size, runner.model_config.vocab_size
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        self.vocab_size = runner.model_config.vocab_size
         cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
         self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
+        self.lora = LoRAAdmission.of(runner)  # adapters pinned by held requests (LoRA off: a no-op)
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.max_running_requests = min(args.max_running_requests, self.req_to_token_pool.size)
         self.running_batch: ScheduleBatch = self._new_batch([])
         spec = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
-        self.speculation = (
-            Speculation(spec, args.resolved_max_verify_tokens(), self.req_to_token_pool, self.allocator)
-            if spec
-            else None
-        )
+        verify_rows = args.resolved_max_verify_tokens()
+        self.speculation = Speculation(spec, verify_rows, self.req_to_token_pool, self.allocator) if spec else None
         self.chunked_req: Req | None = None
         self.last_batch: LaunchedBatch | None = None  # last launched extend, merged next round
         self.reqs_by_rid: dict[str, Req] = {}  # every request this scheduler holds
@@ -143,7 +141,8 @@ class Scheduler:
         return req
 
     def _release(self, req: Req) -> None:
-        """Give back a request's row and KV (caching what is reusable); never twice."""
+        """Give back a request's row, KV (caching what is reusable) and adapter pin; never twice."""
+        self.lora.unpin(req)
         if req.req_pool_idx is None:
             return
         self.tree_cache.cache_finished_req(req)
@@ -174,11 +173,8 @@ class Scheduler:
         in_flight = [*joined, self.chunked_req] if self.chunked_req is not None else joined
         if self.chunked_req is not None:
             self.tree_cache.cache_unfinished_req(self.chunked_req)
-        rem_total = (
-            self.allocator.available_size()
-            + self.tree_cache.evictable_size()
-            - PrefillAdder.running_reservation(running, self.new_token_ratio)
-        )
+        rem_total = self.allocator.available_size() + self.tree_cache.evictable_size()
+        rem_total -= PrefillAdder.running_reservation(running, self.new_token_ratio)
         mixed = len(running) if self.args.enable_mixed_chunk else 0  # one token each rides along
         chunk = self.chunked_prefill_size
         return PrefillBudget(
@@ -187,6 +183,8 @@ class Scheduler:
             rem_chunk_tokens=max(chunk - mixed, 1) if chunk is not None else None,
             max_new_reqs=self.max_running_requests - len(running),
             chunked_req=self.chunked_req,
+            lora_in_use=self.lora.in_use(),
+            max_loras=self.lora.max_loras,
             in_flight_heads=[h for h in map(prompt_head, in_flight) if h is not None],
         )
 
@@ -246,6 +244,7 @@ class Scheduler:
         for req in fresh:
             self.reqs_by_rid[req.rid] = req
             req.mark_scheduled(now)
+            self.lora.pin(req)
             attach_stop_check(req, self.tokenizer)
             self.tree_cache.record_hit(req.last_node)
         self.chunked_req = plan.new_chunked_req

@@ -37,6 +37,10 @@ class PrefillBudget(msgspec.Struct, frozen=True):
     chunked_req: Req | None = None
     # `prompt_head`s of requests whose prompt is being computed now (not in the tree yet).
     in_flight_heads: list[tuple[int, ...]] = []
+    # Multi-LoRA (scheduler/lora_admission.py): the adapters held requests pin now, and how many
+    # distinct adapters a batch may have (0: LoRA off)
+    lora_in_use: list[str] = []
+    max_loras: int = 0
 
 
 class PrefillPlan(msgspec.Struct):
@@ -88,10 +92,19 @@ class PrefillPlanner:
         )
         if budget.chunked_req is not None:
             adder.add_chunked_req(budget.chunked_req)
+        loras = set(budget.lora_in_use)
         if adder.new_chunked_req is None:
             for req in self.waiting:
-                if id(req) in deferred or not adder.add_one_req(req):
+                if id(req) in deferred:
                     break  # deferred requests come last: wait for their leader's prefix
+                if budget.max_loras and req.lora_path not in loras and req.lora_path is not None:
+                    if len(loras) >= budget.max_loras:
+                        continue  # no slot for its adapter this round (SGLang skips it)
+                admitted = adder.add_one_req(req)
+                if adder.can_run_list and adder.can_run_list[-1] is req and req.lora_path is not None:
+                    loras.add(req.lora_path)
+                if not admitted:
+                    break
         admitted = {id(r) for r in adder.can_run_list}
         if admitted:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]

@@ -49,6 +49,8 @@ ADMIN_ROUTES = (
     "/continue_generation",
     "/release_memory_occupation",
     "/resume_memory_occupation",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 )
 # A trainer's weight-update group names each engine rank by its own rank offset: the trainer
 # addresses each replica itself (a front end sending one body to all would give every replica

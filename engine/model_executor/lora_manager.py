@@ -1,0 +1,146 @@
+"""`LoRAManager`: the runner's multi-LoRA state (engine/lora/): the registry of adapters on the host
+and the pool of resident ones in this model's device, dtype and shard.
+
+Who touches what. The scheduler decides which adapter a slot holds (`LoRAPool.load` / `acquire` /
+`release` / `unload`: LRU eviction among adapters no held request pins) on its own thread, when
+it admits or ends requests. The slot's buffers, though, are read by forwards on the device
+stream, and a forward launched earlier may still be running (or not started yet) when the
+scheduler plans the next one: an evicted adapter may be in it, for a request that finished but
+whose dropped token is still being computed (the overlap contract). So `StreamOrderedPool` only
+records each slot write or clear, and the device stream applies them in stream order, at the
+start of the next forward (or of a control call): a forward never sees a half-written slot, and a
+write lands after every forward launched before the decision that caused it.
+
+Loading an adapter folder (disk reads, checks) runs on the device stream too (`load_adapter`),
+off the event loop; unloading is the scheduler's decision (engine/scheduler/lora_admission.py)
+followed by `apply_pending` on the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from engine.distributed.sharding import TPShard
+from engine.lora import (
+    BASE_SLOT,
+    LoRAAdapter,
+    LoRABatchInfo,
+    LoRAError,
+    LoRAPool,
+    LoRARegistry,
+    load_adapter,
+    parse_lora_paths,
+)
+from engine.model_config import ModelConfig
+from engine.model_executor.forward_batch_info import ModelWorkerBatch
+from engine.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LORA_RANK = 16  # without --max-lora-rank and without adapters at start-up (SGLang's)
+
+
+class StreamOrderedPool(LoRAPool):
+    """A `LoRAPool` whose bookkeeping runs on the scheduler's thread and whose buffer writes run
+    on the device stream (`apply_pending`; see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._pending: list[tuple[int, LoRAAdapter | None]] = []  # (slot, adapter or None: clear)
+        self._lock = threading.Lock()
+        self._on_device: set[int] = set()  # slots whose adapter the buffers hold now
+        super().__init__(*args, **kwargs)
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        with self._lock:
+            self._pending.append((slot, adapter))
+
+    def _clear(self, slot: int) -> None:
+        with self._lock:
+            self._pending.append((slot, None))
+
+    def slot_active(self, slot: int) -> bool:
+        return slot in self._on_device  # read by LoRABatchInfo.build, on the device stream
+
+    def apply_pending(self) -> None:
+        """On the device stream: the slot writes and clears decided so far, in order."""
+        with self._lock:
+            ops, self._pending = self._pending, []
+        for slot, adapter in ops:
+            LoRAPool._clear(self, slot)
+            self._on_device.discard(slot)
+            if adapter is not None:
+                LoRAPool._write(self, slot, adapter)
+                self._on_device.add(slot)
+
+
+class LoRAManager:
+    """The registry and the pool of one runner (see the module docstring)."""
+
+    def __init__(
+        self, args: ServerArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard
+    ) -> None:
+        self.max_loras_per_batch = args.max_loras_per_batch
+        self.registry = LoRARegistry(cfg, args.max_loaded_loras, dtype)
+        paths = parse_lora_paths(args.lora_paths or ())
+        initial = {name: load_adapter(path, cfg, dtype) for name, path in paths.items()}
+        rank = args.max_lora_rank
+        if rank is None:
+            rank = max((a.max_rank for a in initial.values()), default=DEFAULT_MAX_LORA_RANK)
+        targets = args.lora_target_modules
+        if targets is None and initial:  # SGLang's: the modules the start-up adapters adapt
+            targets = sorted(set().union(*(a.target_modules for a in initial.values())))
+        self.pool = StreamOrderedPool(
+            cfg,
+            max_loras_per_batch=args.max_loras_per_batch,
+            max_lora_rank=rank,
+            target_modules=targets,
+            device=device,
+            dtype=dtype,
+            shard=shard,
+        )
+        for name, adapter in initial.items():
+            self.pool.check(adapter, name)
+            self.registry.add(name, adapter)
+        log.info(
+            "LoRA: %d adapter(s) loaded (%s), %d slots, max rank %d, targets %s",
+            len(initial),
+            ", ".join(initial) or "none",
+            self.pool.num_slots,
+            rank,
+            ",".join(sorted(self.pool.target_modules)),
+        )
+
+    @classmethod
+    def build(cls, args: ServerArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard):
+        """The manager, or None when LoRA is off."""
+        return cls(args, cfg, device, dtype, shard) if args.enable_lora else None
+
+    def adapters(self) -> dict[str, int]:
+        """The registered adapters by name, with their radix cache keys."""
+        return {name: self.registry.cache_key(name) for name in self.registry.names}
+
+    def batch_info(self, batch: ModelWorkerBatch) -> LoRABatchInfo | None:
+        """On the device stream, before the forward: pending slot writes, then the batch's LoRA
+        view (None when no request uses an adapter: the forward runs as without LoRA)."""
+        self.pool.apply_pending()
+        slots = batch.lora_slots
+        if slots is None or all(s == BASE_SLOT for s in slots):
+            return None
+        return LoRABatchInfo.build(self.pool, slots, batch.lora_rows(), self.max_loras_per_batch)
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """On the device stream: read and check the adapter at `path`, register it as `name`;
+        returns its radix cache key. Nothing changes if it fails (a `LoRAError`)."""
+        if name in self.registry:  # before reading anything
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
+        adapter = load_adapter(path, self.registry.cfg, self.registry.dtype)
+        self.pool.check(adapter, name)
+        self.registry.add(name, adapter)
+        log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.max_rank)
+        return self.registry.cache_key(name)
+
+    def apply_pending(self) -> None:
+        self.pool.apply_pending()
