@@ -61,3 +61,19 @@ def hf_default_model(default_source):
 
     path = default_source.gguf_file
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model_bf16(hf_default_model):
+    """transformers' bf16 model on the default GGUF, built from the fp32 one: the same tensors as
+    `from_pretrained(..., dtype=torch.bfloat16)` (each weight rounded once from the same fp32
+    dequantization; the rotary buffers made by the bf16 constructor, in fp32 as there), without
+    parsing the GGUF a second time (~20 s)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    # a copy: from_config may record the dtype on the config it is given
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_default_model.config), dtype=torch.bfloat16)
+    model.load_state_dict(hf_default_model.state_dict())
+    return model.eval()

@@ -160,8 +160,8 @@ def shared_system_prompts(default_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_refs(default_source, shared_system_prompts) -> list[list[int]]:
-    return hf_greedy_outputs(default_source, shared_system_prompts, NEW_TOKENS)
+def hf_refs(hf_default_model, shared_system_prompts) -> list[list[int]]:
+    return hf_greedy_outputs(hf_default_model, shared_system_prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch-path"])

@@ -9,7 +9,6 @@ batch mixes prefill lengths and decode progress.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench.gpu_parity import first_diff, teacher_forced
 from bench.parity_prompts import parity_prompts
@@ -28,8 +27,8 @@ def prompts(default_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(default_source, prompts) -> list[list[int]]:
-    return hf_greedy_outputs(default_source, prompts, NEW_TOKENS)
+def hf_outputs(hf_default_model, prompts) -> list[list[int]]:
+    return hf_greedy_outputs(hf_default_model, prompts, NEW_TOKENS)
 
 
 def test_prompt_mix_is_varied(prompts):
@@ -62,14 +61,12 @@ def test_greedy_matches_transformers_in_continuous_batch(default_source, default
 BF16_NEW_TOKENS = 48
 
 
-def test_bf16_greedy_tokens_are_transformers_top_choices(default_source, default_tokenizer, prompts):
+def test_bf16_greedy_tokens_are_transformers_top_choices(default_source, hf_default_model_bf16, prompts):
     """bf16, the fast CPU path (AVX512-BF16 attention kernels where the CPU has them, fused RMSNorm
     and SiLU-and-mul): bf16 greedy is not bit-reproducible across kernels (transformers' own bf16
     `generate` drifts from its full-sequence forward), so each token we pick is checked teacher-forced
     against transformers bf16 on the same sequence: nearly always its argmax, and otherwise a near-tie
     within bf16 logit resolution. A wrong kernel shows up as large gaps at once."""
-    from transformers import AutoModelForCausalLM
-
     args = ServerArgs(dtype="bfloat16", device="cpu", max_total_tokens=16384, max_running_requests=32)
     runner = ModelRunner(args, default_source)
     assert runner.model.fused  # the kernels build here (tests/test_cpu_attention_kernels.py insists)
@@ -77,7 +74,5 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(default_source, default
     params = SamplingParams(temperature=0.0, max_new_tokens=BF16_NEW_TOKENS)
     reqs = [sched.add_request(p, params) for p in prompts]
     sched.run_until_idle()
-    path = default_source.gguf_file
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
-    bar = teacher_forced(hf, prompts, [r.output_ids for r in reqs])
+    bar = teacher_forced(hf_default_model_bf16, prompts, [r.output_ids for r in reqs])
     assert bar["ok"], bar  # every token within 0.5 of the best logit, >= 97% transformers' argmax

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from engine import Engine, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -50,68 +51,70 @@ def test_stop_string_matcher_finds_stops_across_any_split(split):
     assert hit == "END" and "".join(out) == "The answer is 42. "
 
 
-@pytest.fixture(scope="module")
-def engine_factory():
-    def make(**kw) -> Engine:
-        return Engine("smollm2-135m", dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096, **kw)
-
-    return make
+# One engine for the module's generation tests (a start costs ~9 s), on the module's event loop.
+ON_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 
-async def test_stop_string_across_token_boundary(engine_factory, default_tokenizer):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    async with Engine("smollm2-135m", dtype="float32", device="cpu", torch_threads=1, max_total_tokens=4096) as e:
+        yield e
+
+
+@ON_MODULE_LOOP
+async def test_stop_string_across_token_boundary(engine, default_tokenizer):
     tok = default_tokenizer
     prompt = "Write a short story about a cat who learns to swim."
     params = dict(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-    async with engine_factory() as engine:
-        async with asyncio.timeout(TIMEOUT):
-            full = await engine.generate(prompt, SamplingParams(**params))
-        assert full.text == tok.decode(full.token_ids)
-        # A stop string made of the end of token k and the start of token k+1.
-        pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
-        k = next(
-            i
-            for i in range(5, len(pieces) - 1)
-            if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
-        )
-        boundary = len(pieces[k])
-        stop = full.text[boundary - 2 : boundary + 2]
-        index = full.text.find(stop)
-        async with asyncio.timeout(TIMEOUT):
-            cut = await engine.generate(prompt, SamplingParams(**params, stop=[stop]))
-            streamed = [d async for d in engine.stream(prompt, SamplingParams(**params, stop=stop))]
-        assert cut.finish_reason == "stop" and cut.matched_stop == stop
-        assert cut.text == full.text[:index]
-        assert stop not in cut.text
-        assert "".join(d.text for d in streamed) == cut.text
-        assert streamed[-1].finish_reason == "stop"
-        # The request ended (and was freed) at the token that completed the stop string.
-        assert cut.completion_tokens < len(full.token_ids)
+    async with asyncio.timeout(TIMEOUT):
+        full = await engine.generate(prompt, SamplingParams(**params))
+    assert full.text == tok.decode(full.token_ids)
+    # A stop string made of the end of token k and the start of token k+1.
+    pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    k = next(
+        i
+        for i in range(5, len(pieces) - 1)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+    )
+    boundary = len(pieces[k])
+    stop = full.text[boundary - 2 : boundary + 2]
+    index = full.text.find(stop)
+    async with asyncio.timeout(TIMEOUT):
+        cut = await engine.generate(prompt, SamplingParams(**params, stop=[stop]))
+        streamed = [d async for d in engine.stream(prompt, SamplingParams(**params, stop=stop))]
+    assert cut.finish_reason == "stop" and cut.matched_stop == stop
+    assert cut.text == full.text[:index]
+    assert stop not in cut.text
+    assert "".join(d.text for d in streamed) == cut.text
+    assert streamed[-1].finish_reason == "stop"
+    # The request ended (and was freed) at the token that completed the stop string.
+    assert cut.completion_tokens < len(full.token_ids)
 
 
-async def test_multibyte_output_streams_without_broken_characters(engine_factory, default_tokenizer):
+@ON_MODULE_LOOP
+async def test_multibyte_output_streams_without_broken_characters(engine, default_tokenizer):
     prompts = [
         "🍎🍌🍇🍓🍎🍌🍇🍓🍎🍌🍇",
         "中文：我喜欢吃苹果。我喜欢",
         [{"role": "user", "content": "Translate to Chinese: I love apples."}],
     ]
-    async with engine_factory() as engine:
-        for prompt in prompts:
-            async with asyncio.timeout(TIMEOUT):
-                deltas = [d async for d in engine.stream(prompt, SamplingParams(temperature=0.0, max_new_tokens=24))]
-            ids = [t for d in deltas for t in d.token_ids]
-            text = "".join(d.text for d in deltas)
-            assert all("\ufffd" not in d.text for d in deltas)
-            eos_ended = deltas[-1].finish_reason == "stop"
-            assert text == default_tokenizer.decode(ids[:-1] if eos_ended else ids, skip_special_tokens=True)
-            assert any(ord(c) > 0x2000 for c in text), f"no multi-byte output for {prompt!r}: {text!r}"
-
-
-async def test_eos_stops_unless_ignored(engine_factory, default_tokenizer):
-    chat = [{"role": "user", "content": "Hi!"}]
-    async with engine_factory() as engine:
+    for prompt in prompts:
         async with asyncio.timeout(TIMEOUT):
-            natural = await engine.generate(chat, SamplingParams(temperature=0.0, max_new_tokens=64))
-            forced = await engine.generate(chat, SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))
+            deltas = [d async for d in engine.stream(prompt, SamplingParams(temperature=0.0, max_new_tokens=24))]
+        ids = [t for d in deltas for t in d.token_ids]
+        text = "".join(d.text for d in deltas)
+        assert all("\ufffd" not in d.text for d in deltas)
+        eos_ended = deltas[-1].finish_reason == "stop"
+        assert text == default_tokenizer.decode(ids[:-1] if eos_ended else ids, skip_special_tokens=True)
+        assert any(ord(c) > 0x2000 for c in text), f"no multi-byte output for {prompt!r}: {text!r}"
+
+
+@ON_MODULE_LOOP
+async def test_eos_stops_unless_ignored(engine, default_tokenizer):
+    chat = [{"role": "user", "content": "Hi!"}]
+    async with asyncio.timeout(TIMEOUT):
+        natural = await engine.generate(chat, SamplingParams(temperature=0.0, max_new_tokens=64))
+        forced = await engine.generate(chat, SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))
     assert natural.finish_reason == "stop", natural
     assert natural.matched_stop == natural.token_ids[-1] == default_tokenizer.eos_token_id
     assert default_tokenizer.eos_token not in natural.text

@@ -149,10 +149,11 @@ def test_overlap_and_scoring_only(runner, prompts, hf_logprobs):
 
 
 def test_long_prompt_never_holds_prompt_by_vocab_logits(runner, default_tokenizer):
-    """A 4k-token prompt scored whole (no chunking): the LM head never sees more than
-    SLICE_ROWS rows at once, so no [prompt_len, vocab] logits tensor exists."""
+    """A prompt of several slices (two full, one partial) scored whole (no chunking): the LM head
+    never sees more than SLICE_ROWS rows at once, so no [prompt_len, vocab] logits tensor exists.
+    Longer prompts only add slices of the same kind (and quadratic attention time)."""
     sched = _sched(runner, chunked_prefill_size=None)
-    ids = (default_tokenizer.encode(TEXTS[2]) * 200)[:4096]
+    ids = (default_tokenizer.encode(TEXTS[2]) * 200)[: 2 * SLICE_ROWS + SLICE_ROWS // 2]
     model = runner.model
     seen: list[int] = []
     real = model.compute_logits
@@ -171,4 +172,5 @@ def test_long_prompt_never_holds_prompt_by_vocab_logits(runner, default_tokenize
     assert len(lp.values) == len(ids) and all(v is not None and v <= 0 for v in lp.values[1:])
     assert sum(seen) == (len(ids) - 1) + 1  # every scored row once, plus the sampling row
     assert max(seen) <= SLICE_ROWS
+    assert seen.count(SLICE_ROWS) >= 2  # the prompt really was cut into slices
     _done(sched)

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import Engine, SamplingParams
-from tests.server_helpers import ServerProcess
+from tests.server_helpers import ServerProcess, shared_server
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "smollm2"
@@ -18,22 +18,7 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Started first so the server loads while the in-process reference runs."""
-    srv = ServerProcess(
-        "smollm2-135m",
-        "--served-model-name",
-        NAME,
-        "--max-total-tokens",
-        "8192",
-        log_dir=tmp_path_factory.mktemp("openai-server"),
-    ).launch()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def expected(launched, default_source, default_tokenizer):
+def expected(default_source, default_tokenizer):
     """Greedy results of the in-process engine on the same weights and dtype."""
     # The GGUF tokenizer is built once per process (ModelSource.load_tokenizer caches it), so this
     # engine reuses the session's `default_tokenizer`.
@@ -44,9 +29,11 @@ def expected(launched, default_source, default_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def server(launched, expected) -> ServerProcess:
-    """Waits after `expected`, so the reference run overlaps the server's start."""
-    return launched.wait_ready()
+def server(request) -> ServerProcess:
+    # the clients' shared server (tests/test_clients_*.py): the same model, name and flags
+    return shared_server(
+        request, "smollm2-clients", "smollm2-135m", "--served-model-name", NAME, "--max-total-tokens", "8192"
+    )
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from engine import GrammarCompileTimeoutError, GrammarQueueFullError
 from server.errors import to_api_error
-from tests.server_helpers import ServerProcess, wait_clean
+from tests.server_helpers import ServerProcess, shared_server, wait_clean
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
@@ -118,10 +118,9 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(MODEL, "--max-total-tokens", "16384", log_dir=tmp_path_factory.mktemp("structured-server"))
-    yield srv.start()
-    srv.stop()
+def server(request):
+    # the same server as tests/test_tool_parsers_server.py's default-model one: started once
+    return shared_server(request, "tools-default", MODEL, "--max-total-tokens", "16384")
 
 
 @pytest.fixture

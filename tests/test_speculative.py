@@ -113,11 +113,11 @@ MIXED_PARAMS = [
 
 
 def _run(
-    prompts: list[list[int]], spec: bool, overlap: bool, verify_rows: list[int] | None = None, **options
+    source, prompts: list[list[int]], spec: bool, overlap: bool, verify_rows: list[int] | None = None, **options
 ) -> tuple[list[list[int]], dict | None]:
-    """The default model in fp32: outputs of every request and the speculation stats. The verify
-    forwards may hold every request's drafts (64 rows) unless `options` say otherwise; their row
-    counts go to `verify_rows`."""
+    """The default model (`source`) in fp32: outputs of every request and the speculation stats.
+    The verify forwards may hold every request's drafts (64 rows) unless `options` say otherwise;
+    their row counts go to `verify_rows`."""
     args = ServerArgs(
         dtype="float32",
         device="cpu",
@@ -125,7 +125,7 @@ def _run(
         speculative_algorithm="NGRAM" if spec else None,
         **{"max_total_tokens": 4096, "speculative_max_verify_tokens": 64, **options},
     )
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, source)
     if verify_rows is not None:
         generate = runner.forward_batch_generation
 
@@ -149,6 +149,25 @@ def _run(
     return [r.output_ids for r in [*reqs, logprob]], spec_stats
 
 
+@pytest.fixture(scope="module")
+def run(default_source, copy_prompts):
+    """`_run` on the copy prompts with the session's model source (resolving the GGUF again costs
+    seconds a runner). Plain decoding is deterministic, so each set of its options is decoded
+    once for the module and handed out as fresh lists."""
+    plain: dict = {}
+
+    def call(spec: bool, overlap: bool, verify_rows: list[int] | None = None, **options):
+        if spec or verify_rows is not None:
+            return _run(default_source, copy_prompts, spec, overlap, verify_rows, **options)
+        key = (overlap, tuple(sorted(options.items())))
+        if key not in plain:
+            plain[key] = _run(default_source, copy_prompts, False, overlap, **options)
+        outs, stats = plain[key]
+        return [list(o) for o in outs], stats
+
+    return call
+
+
 @pytest.mark.parametrize(
     ("overlap", "options"),
     [
@@ -159,34 +178,34 @@ def _run(
     ],
     ids=["sync", "overlap", "overlap-chunked", "mixed-chunk"],
 )
-def test_outputs_identical_to_plain_decoding(copy_prompts, overlap, options):
-    want, _ = _run(copy_prompts, spec=False, overlap=overlap, **options)
-    got, stats = _run(copy_prompts, spec=True, overlap=overlap, **options)
+def test_outputs_identical_to_plain_decoding(run, overlap, options):
+    want, _ = run(spec=False, overlap=overlap, **options)
+    got, stats = run(spec=True, overlap=overlap, **options)
     del want[SAMPLED], got[SAMPLED]  # same distribution, not the same draws (see the test below)
     assert got == want
     assert stats is not None and stats["accepted_tokens"] >= 40, stats  # drafts really were accepted
 
 
-def test_verify_forwards_keep_to_the_row_budget(copy_prompts):
+def test_verify_forwards_keep_to_the_row_budget(run):
     """By default a verify forward has at most num_draft_tokens + 1 rows: the running requests
     share the rows left after their own, and a batch that fills them does not draft. Outputs stay
     those of plain decoding."""
-    want, _ = _run(copy_prompts, spec=False, overlap=False)
+    want, _ = run(spec=False, overlap=False)
     rows: list[int] = []
-    got, stats = _run(copy_prompts, spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=None)
+    got, stats = run(spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=None)
     del want[SAMPLED], got[SAMPLED]
     assert got == want
     budget = ServerArgs().speculative_num_draft_tokens + 1
     assert stats is not None and stats["accepted_tokens"] > 0 and rows and max(rows) <= budget, (stats, rows)
     rows.clear()
-    _run(copy_prompts, spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=3)
+    run(spec=True, overlap=False, verify_rows=rows, speculative_max_verify_tokens=3)
     assert rows and max(rows) <= 3
 
 
-def test_identical_under_retraction(copy_prompts):
+def test_identical_under_retraction(run):
     """A KV pool too small for every request's whole output: retractions happen mid-speculation."""
-    want, _ = _run(copy_prompts, spec=False, overlap=False, max_total_tokens=330)
-    got, stats = _run(copy_prompts, spec=True, overlap=False, max_total_tokens=330)
+    want, _ = run(spec=False, overlap=False, max_total_tokens=330)
+    got, stats = run(spec=True, overlap=False, max_total_tokens=330)
     del want[SAMPLED], got[SAMPLED]
     assert got == want and stats is not None and stats["accepted_tokens"] > 0
 

@@ -131,14 +131,14 @@ def test_no_forward_planned_after_the_match_includes_the_request(tiny_folder, de
     assert len(forwards) > m + 2, "the other request kept decoding after the match"
 
 
-def test_speculative_step_is_cut_at_the_token_that_completes_the_stop(default_tokenizer):
+def test_speculative_step_is_cut_at_the_token_that_completes_the_stop(default_source, default_tokenizer):
     """Accepted drafts are taken in order; the first whose text completes a stop string ends the
     request there, like an EOS among them: later tokens of the step are not returned, their KV
     slots are freed."""
     tok = default_tokenizer
     prompt = tok.encode("one two three four five six seven eight nine ten one two three four")
     spec_args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=2048, speculative_algorithm="NGRAM")
-    runner = ModelRunner(spec_args)
+    runner = ModelRunner(spec_args, default_source)
     plain = SyncScheduler(runner, ServerArgs(dtype="float32", device="cpu", max_total_tokens=2048))
     full = plain.generate([prompt], SamplingParams(max_new_tokens=16, **GREEDY))[0].output_ids
     assert plain.scheduler.flush_cache()

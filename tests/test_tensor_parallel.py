@@ -170,10 +170,9 @@ async def test_default_model_tp3_fp32_equals_tp1():
     assert got == want
 
 
-async def test_default_model_tp3_bf16_tokens_are_transformers_top_choices(default_source):
+async def test_default_model_tp3_bf16_tokens_are_transformers_top_choices(hf_default_model_bf16):
     outputs, prompts = await _generate(3, "bfloat16")
-    path = default_source.gguf_file
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    hf = hf_default_model_bf16
     agree = total = 0
     with torch.no_grad():
         for p, ours in zip(prompts, outputs):
