@@ -64,14 +64,8 @@ class EngineOperations:
             )
         if not isinstance(model_path, str) or not model_path:
             raise InvalidRequestError("model_path must be a non-empty string", "model_path")
-        msg = UpdateWeightsReq(
-            reply_id=0,
-            model_path=model_path,
-            weight_version=weight_version,
-            abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache,
-        )
-        return await self._update_weights(msg)
+        options = dict(weight_version=weight_version, abort_all_requests=abort_all_requests, flush_cache=flush_cache)
+        return await self._update_weights(model_path=model_path, **options)
 
     async def update_weights_from_tensor(
         self,
@@ -86,26 +80,21 @@ class EngineOperations:
         items = list(named_tensors)
         if not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
             raise InvalidRequestError("named_tensors must be (name, tensor) pairs", "named_tensors")
-        msg = UpdateWeightsReq(
-            reply_id=0,
-            named_tensors=items,
-            weight_version=weight_version,
-            abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache,
-        )
-        return await self._update_weights(msg)
+        options = dict(weight_version=weight_version, abort_all_requests=abort_all_requests, flush_cache=flush_cache)
+        return await self._update_weights(named_tensors=items, **options)
 
-    async def _update_weights(self, msg: UpdateWeightsReq) -> str:
+    async def _update_weights(self, **fields: Any) -> str:
+        """Send one `UpdateWeightsReq` (its source and options as `fields`) and await its outcome."""
+
         def make(reply_id: int) -> UpdateWeightsReq:
-            msg.reply_id = reply_id
-            return msg
+            return UpdateWeightsReq(reply_id=reply_id, **fields)
 
         reply = await self._check().control(make, timeout=None)  # waits for running requests
         if not reply.ok:
             message = f"weight update failed, the weights are unchanged: {reply.error}"
             kind = reply.payload.get("error_type")
             if kind == "InvalidRequestError":
-                raise InvalidRequestError(message, "model_path" if msg.model_path is not None else "named_tensors")
+                raise InvalidRequestError(message, "model_path" if "model_path" in fields else "named_tensors")
             raise (ModelLoadError if kind == "ModelLoadError" else EngineError)(message)
         return str(reply.payload["weight_version"])
 
@@ -186,14 +175,8 @@ class EngineOperations:
             "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes],
         }
-        msg = UpdateWeightsReq(
-            reply_id=0,
-            from_group=spec,
-            weight_version=weight_version,
-            abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache,
-        )
-        return await self._update_weights(msg)
+        options = dict(weight_version=weight_version, abort_all_requests=abort_all_requests, flush_cache=flush_cache)
+        return await self._update_weights(from_group=spec, **options)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._control(lambda reply_id: WeightGroupReq(reply_id, "destroy", {"group_name": group_name}))

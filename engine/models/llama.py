@@ -110,6 +110,9 @@ class LlamaForCausalLM(nn.Module):
         self.llama_layers = layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
         self.fused_decode: FusedDecodeLayers | None = None
+        # Parameter paths (norms, embeddings, projection weights as built): a weight update
+        # replaces projection modules, never the parameters `weight_target` maps names to.
+        self._param_names = frozenset(n for n, _ in self.named_parameters())
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
@@ -202,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         if int(idx) < self.cfg.num_layers:
             if rest in _LAYER_PARAMS:
                 param = prefix + _LAYER_PARAMS[rest]
-                if param in self._param_names():
+                if param in self._param_names:
                     return WeightTarget(PARAM, param)
             elif module in _PROJECTIONS and kind in ("weight", "bias"):
                 path, part = _PROJECTIONS[module]
@@ -210,14 +213,6 @@ class LlamaForCausalLM(nn.Module):
             elif "rotary_emb" in rest:
                 return WeightTarget(SKIP)
         raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
-
-    def _param_names(self) -> frozenset[str]:
-        """Parameter paths of the norms and embeddings (fixed from construction on: a weight
-        update replaces projection modules, never these)."""
-        names = self.__dict__.get("_names")
-        if names is None:
-            names = self.__dict__["_names"] = frozenset(n for n, _ in self.named_parameters())
-        return names
 
     def _load_part(self, path: str, kind: str, shard: int, tensor: torch.Tensor, name: str) -> None:
         linear = self.get_submodule(path)

@@ -98,7 +98,7 @@ def stage_tensor_update(
     if model.cfg.tie_word_embeddings and "embed_tokens.weight" in staged.params:
         # the LM head is the embedding table: its derived form follows the new table
         head = model.lm_head
-        weight = staged.params["embed_tokens.weight"].to(dense_weight(head).dtype)
+        weight = staged.params["embed_tokens.weight"].to(model.embed_tokens.weight.dtype)
         staged.modules["lm_head"] = _rebuilt(head, {("weight", 0): weight}, q4_rows)
     return staged
 
