@@ -8,11 +8,14 @@ them apart is here, as plain switches read from the config:
 - OLMo 2: post-norms (each sublayer's output normalised before the residual add, no pre-norm),
   q/k RMSNorm over the whole projected q and k, RMSNorm's weight applied before the cast and
   RoPE computed in fp32;
-- Phi-3: fused q|k|v and gate|up checkpoint tensors (split at load), partial rotary, longrope.
+- Phi-3: fused q|k|v and gate|up checkpoint tensors (split at load), partial rotary, longrope;
+- Mistral (and Phi-3, Qwen2 with `use_sliding_window`): sliding-window attention per layer;
+- Gemma 2/3: sandwich norms scaling by `1 + weight`, GeGLU, the embedding scaled by
+  sqrt(hidden), `query_pre_attn_scalar`, local/global layers; Gemma 2's attention and final logit
+  soft-caps; Gemma 3's per-head q/k norm and RoPE per layer type.
 
-Two limits keep outputs exact where the attention or RoPE would otherwise differ from
-transformers': a sliding window (Phi-3) and a longrope scaling whose long factors differ from its
-short ones both bound the context length (see `_context_len`).
+One limit keeps outputs exact where RoPE would otherwise differ from transformers': a longrope
+scaling whose long factors differ from its short ones bounds the context length (`_context_len`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,29 @@ class ModelConfig:
     rotary_fp32: bool = False
     # Phi-3: q|k|v and gate|up stored as one tensor each (`qkv_proj`, `gate_up_proj`)
     fused_checkpoint: bool = False
+    # Sliding-window attention (Mistral, Phi-3, Qwen2 with `use_sliding_window`, Gemma 2/3's local
+    # layers): each layer's window (0 = full causal attention); () when no layer has one
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2: attention scores and final logits squashed through `cap * tanh(x / cap)`
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Gemma 2/3: a norm before and after each sublayer; RMSNorm scales by `1 + weight` in fp32;
+    # the embedding scale (`embedding_multiplier`) is rounded to the model dtype before it scales
+    sandwich_norms: bool = False
+    unit_offset_norms: bool = False
+    embedding_scale_in_dtype: bool = False
+    # Gemma 3: RoPE parameters per layer type (`rope_parameters[type]`); () = one RoPE for all layers
+    rope_layer_types: tuple[str, ...] = ()
+
+    @property
+    def max_window(self) -> int:
+        """The largest sliding window of any layer (0: none); past it, windows change results."""
+        return max(self.layer_windows, default=0)
+
+    @property
+    def min_window(self) -> int:
+        """The smallest sliding window of any layer (0: none); within it, every layer is full attention."""
+        return min((w for w in self.layer_windows if w), default=0)
 
     @property
     def softmax_scale(self) -> float:
@@ -78,7 +104,7 @@ class ModelConfig:
         is_granite = architecture == "GraniteForCausalLM"
         attn_bias = bool(getattr(c, "attention_bias", False))
         qk_norm = QK_NORM_HEAD if architecture == "Qwen3ForCausalLM" else QK_NORM_WHOLE if is_olmo2 else ""
-        return cls(
+        fields = dict(
             architecture=architecture,
             num_layers=c.num_hidden_layers,
             hidden_size=c.hidden_size,
@@ -104,15 +130,53 @@ class ModelConfig:
             norm_weight_before_cast=is_olmo2,
             rotary_fp32=is_olmo2,
             fused_checkpoint=architecture == "Phi3ForCausalLM",
+            layer_windows=_layer_windows(c),
         )
+        if architecture in GEMMA_ARCHITECTURES:
+            fields.update(_gemma_fields(c, architecture))
+        return cls(**fields)
+
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _layer_windows(c) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers applies it: `layer_types` names the windowed
+    layers where the config has them (Gemma 2/3, Qwen2/3's `use_sliding_window`), else a
+    `sliding_window` applies to every layer (Mistral, Phi-3)."""
+    window = getattr(c, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return ()
+    types = getattr(c, "layer_types", None)
+    if types is None:
+        return (window,) * c.num_hidden_layers
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _gemma_fields(c, architecture: str) -> dict:
+    """Gemma 2/3 (transformers' `Gemma2ForCausalLM`, `Gemma3ForCausalLM`): see the class fields."""
+    scalar = getattr(c, "query_pre_attn_scalar", None)
+    rope = getattr(c, "rope_parameters", None) or {}
+    types = tuple(getattr(c, "layer_types", None) or ())
+    per_type = bool(types) and all(t in rope for t in set(types))
+    return dict(
+        hidden_act=getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None) or "gelu_pytorch_tanh",
+        attention_multiplier=float(scalar) ** -0.5 if scalar else None,
+        attn_logit_softcap=getattr(c, "attn_logit_softcapping", None),
+        final_logit_softcap=getattr(c, "final_logit_softcapping", None),
+        embedding_multiplier=float(c.hidden_size) ** 0.5,
+        embedding_scale_in_dtype=True,
+        sandwich_norms=True,
+        unit_offset_norms=True,
+        qk_norm=QK_NORM_HEAD if architecture == "Gemma3ForCausalLM" else "",
+        rope_layer_types=types if per_type else (),
+    )
 
 
 def _context_len(c, architecture: str) -> int:
     """The positions the engine serves exactly as transformers computes them.
 
-    - Phi-3's sliding window (`sliding_window`, e.g. 2047 for Phi-3-mini-4k): the attention is not
-      windowed here, and a sequence within the window never sees the window, so the context stops
-      there.
     - longrope (Phi-3-128k, Phi-3.5, Phi-4-mini): transformers rotates a sequence with the short
       factors while it fits `original_max_position_embeddings` and, past it, recomputes the whole
       sequence with the long factors (its `prepare_inputs_for_generation` drops the KV cache at
@@ -120,10 +184,6 @@ def _context_len(c, architecture: str) -> int:
       context stops at `original_max_position_embeddings` (unless the two factor lists are equal).
     """
     context = int(getattr(c, "max_position_embeddings", 2048))
-    window = getattr(c, "sliding_window", None) if architecture == "Phi3ForCausalLM" else None
-    if isinstance(window, int) and 0 < window < context:
-        log.info("%s: sliding window of %d positions: the context is bounded by it", architecture, window)
-        context = window
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     if params.get("rope_type", params.get("type")) == "longrope" and params.get("long_factor") != params.get(
         "short_factor"

@@ -75,7 +75,7 @@ FAMILIES = {
 }
 
 
-def _save(cfg, init: tuple[float, float, float, float], folder, dtype=torch.float32):
+def save_random_model(cfg, init: tuple[float, float, float, float], folder, dtype=torch.float32):
     """A random-weight transformers model of `cfg` (logits far from uniform: greedy is not
     tie-prone), saved as safetensors in `folder`; returns it."""
     std, lo, hi, embed_std = init
@@ -91,7 +91,7 @@ def _save(cfg, init: tuple[float, float, float, float], folder, dtype=torch.floa
     return model.to(dtype)
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
+def hf_greedy(model, prompt: list[int]) -> list[int]:
     inp = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=NEW_TOKENS)
@@ -101,7 +101,7 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 SHARED = [(7 * j + 3) % VOCAB for j in range(32)]  # a prefix the radix cache serves to a later prompt
 
 
-def _prompts() -> tuple[list[list[int]], list[int], list[int]]:
+def family_prompts() -> tuple[list[list[int]], list[int], list[int]]:
     """A batch of short and long prompts (one holding SHARED), one to join mid-run, one reusing SHARED."""
     g = torch.Generator().manual_seed(1)
     rand = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 70, 9, 41, 5, 6)]
@@ -112,18 +112,18 @@ def _prompts() -> tuple[list[list[int]], list[int], list[int]]:
 def family(request, tmp_path_factory):
     cfg, init = FAMILIES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    return request.param, str(folder), _save(cfg(), init, folder)
+    return request.param, str(folder), save_random_model(cfg(), init, folder)
 
 
-def _args(folder: str, **kw) -> ServerArgs:
+def family_args(folder: str, **kw) -> ServerArgs:
     base = dict(model_path=folder, dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=8)
     return ServerArgs(**(base | dict(chunked_prefill_size=16) | kw))
 
 
-def _run_scheduler(sched: SyncScheduler) -> tuple[list, list[int], object]:
+def run_scheduler(sched: SyncScheduler) -> tuple[list, list[int], object]:
     """Phase 1: the mixed batch, one request joining at step 3 and a prompt-scoring request;
     phase 2 (all finished, SHARED cached): the prompt reusing SHARED."""
-    batch, joiner, reuser = _prompts()
+    batch, joiner, reuser = family_prompts()
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     reqs = [sched.add_request(p, params) for p in batch]
     sched.add_request(batch[1], SamplingParams(max_new_tokens=0), "score", logprob_start_len=0, return_logprob=True)
@@ -150,10 +150,10 @@ def _run_scheduler(sched: SyncScheduler) -> tuple[list, list[int], object]:
 
 def test_greedy_tokens_and_logprobs_equal_transformers(family):
     name, folder, hf = family
-    runner = ModelRunner(_args(folder))
-    reqs, prompts, score = _run_scheduler(SyncScheduler(runner, runner.args))
+    runner = ModelRunner(family_args(folder))
+    reqs, prompts, score = run_scheduler(SyncScheduler(runner, runner.args))
     for i, (req, prompt) in enumerate(zip(reqs, prompts)):
-        assert req.output_ids == _hf_greedy(hf, prompt), f"{name}: prompt {i} ({len(prompt)} tokens)"
+        assert req.output_ids == hf_greedy(hf, prompt), f"{name}: prompt {i} ({len(prompt)} tokens)"
     assert reqs[-1].cached_tokens >= len(SHARED)  # the last prompt's prefix came from the radix cache
     with torch.no_grad():  # the scored prompt: log-probs of tokens 1.. under transformers' logits
         ids = prompts[1]
@@ -172,15 +172,15 @@ TP_FAMILIES = ["phi3-partial-rotary", "olmo2"]
 @pytest.mark.parametrize("name", TP_FAMILIES)
 def test_tp2_greedy_tokens_equal_transformers(name, tmp_path):
     cfg, init = FAMILIES[name]
-    hf = _save(cfg(), init, tmp_path)
-    args = _args(str(tmp_path), tp_size=2, torch_threads=1)
+    hf = save_random_model(cfg(), init, tmp_path)
+    args = family_args(str(tmp_path), tp_size=2, torch_threads=1)
     driver = TPDriver(args)
     try:
         runner = driver.load()
-        reqs, prompts, _ = _run_scheduler(SyncScheduler(runner, args))
+        reqs, prompts, _ = run_scheduler(SyncScheduler(runner, args))
     finally:
         driver.stop(healthy=True)
-    assert [r.output_ids for r in reqs] == [_hf_greedy(hf, p) for p in prompts]
+    assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
 
 
 # bf16: head size 64 and widths the fused kernels take, so only the layer shape decides the loop
@@ -197,8 +197,8 @@ BF16 = {
 @pytest.mark.parametrize("name", list(BF16))
 def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
     cfg, init, fused_loop = BF16[name]
-    hf = _save(cfg(), init, tmp_path, dtype=torch.bfloat16)
-    runner = ModelRunner(_args(str(tmp_path), dtype="bfloat16", chunked_prefill_size=None))
+    hf = save_random_model(cfg(), init, tmp_path, dtype=torch.bfloat16)
+    runner = ModelRunner(family_args(str(tmp_path), dtype="bfloat16", chunked_prefill_size=None))
     model = runner.model
     if cpu_quant.vectorized():
         assert (model.fused_decode is not None) == fused_loop, name

@@ -30,6 +30,7 @@ from engine.layers.attention_cpu import CpuAttnBackend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.attention_torch import TorchAttnBackend
 from engine.layers.attention_triton import TritonAttnBackend
+from engine.layers.attention_window import WindowedAttnBackend
 from engine.model_executor.forward_batch_info import AttentionBackend
 
 log = logging.getLogger(__name__)
@@ -104,15 +105,27 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
     return requested
 
 
-def create_attention_backend(name: str, layout: HeadLayout, cascade: bool = True) -> AttentionBackend:
+def create_attention_backend(
+    name: str,
+    layout: HeadLayout,
+    cascade: bool = True,
+    windows: tuple[int, ...] = (),
+    softcap: float | None = None,
+) -> AttentionBackend:
     """The backend object for a name returned by `resolve_attention_backend`.
 
-    `cascade` (shared-prefix decode) applies to the cpu and torch backends.
+    `cascade` (shared-prefix decode) applies to the cpu and torch backends. A model with sliding
+    windows (`windows`: one per layer, 0 = none) or an attention soft-cap gets the backend wrapped in
+    `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not.
     """
     if name == "cpu":
-        return CpuAttnBackend(layout, cascade=cascade)
-    if name == "torch":
-        return TorchAttnBackend(layout, cascade=cascade)
-    if name == "triton":
-        return TritonAttnBackend(layout)
-    raise ValueError(f"unresolved attention backend {name!r}")
+        backend: AttentionBackend = CpuAttnBackend(layout, cascade=cascade)
+    elif name == "torch":
+        backend = TorchAttnBackend(layout, cascade=cascade)
+    elif name == "triton":
+        backend = TritonAttnBackend(layout)
+    else:
+        raise ValueError(f"unresolved attention backend {name!r}")
+    if any(windows) or softcap is not None:
+        return WindowedAttnBackend(backend, layout, windows, softcap)
+    return backend

@@ -30,6 +30,7 @@ from engine.cache.memory_pool import KVCache
 from engine.kernels import cpu_extension
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
+from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import OneDNNLinear, QuantLinear
 from engine.model_executor.forward_batch_info import ForwardBatch
@@ -122,6 +123,10 @@ class FusedDecodeLayers:
         if self.max_rows is not None and num_tokens > self.max_rows:
             return None
         backend = fb.attn_backend
+        if isinstance(backend, WindowedAttnBackend):  # a sliding window past which a sequence ran
+            if backend.own_layers:
+                return None
+            backend = backend.inner
         plan = backend.plan if isinstance(backend, CpuAttnBackend) else None
         return plan if isinstance(plan, (KernelDecodePlan, KernelExtendPlan)) else None
 

@@ -38,6 +38,14 @@ def rms_norm_weight_first(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return (weight * h).to(input_dtype)
 
 
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: fp32 statistics, scaled by `1 + weight` in fp32, then the cast (its
+    checkpoints store the weight as an offset from 1)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,16 +70,24 @@ class RMSNorm(nn.Module):
     """`weight * normalize(x)` over the last dim of `[T, N]` rows.
 
     `weight_before_cast`: OLMo 2's order (`rms_norm_weight_first`, torch ops: the fused kernel
-    rounds before the weight, as Llama's RMSNorm does)."""
+    rounds before the weight, as Llama's RMSNorm does); `unit_offset`: Gemma's
+    (`rms_norm_unit_offset`, torch ops)."""
 
     def __init__(
-        self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype, weight_before_cast: bool = False
+        self,
+        hidden_size: int,
+        eps: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_before_cast: bool = False,
+        unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.uses_cpu_kernel = not weight_before_cast and fused_norm_applies(hidden_size, device, dtype)
-        torch_form = rms_norm_weight_first if weight_before_cast else rms_norm
+        plain = not weight_before_cast and not unit_offset
+        self.uses_cpu_kernel = plain and fused_norm_applies(hidden_size, device, dtype)
+        torch_form = rms_norm_unit_offset if unit_offset else rms_norm_weight_first if weight_before_cast else rms_norm
         self._norm = cpu_elementwise.rms_norm if self.uses_cpu_kernel else torch_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
-from engine.layers.norm import rms_norm
+from engine.layers.norm import rms_norm, rms_norm_weight_first
 
 
 def _param(size: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -26,20 +26,35 @@ def _param(size: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
 
 class QKNorm(nn.Module):
     """Qwen3's per-head RMSNorm of q and k, applied to the adjacent q|k heads as one slab with one
-    `[H + KVH, D]` weight table (half the ops of normalising each; same per-element arithmetic)."""
+    `[H + KVH, D]` weight table (half the ops of normalising each; same per-element arithmetic).
 
-    def __init__(self, head_dim: int, eps: float, shard: TPShard, device: torch.device, dtype: torch.dtype) -> None:
+    `unit_offset` (Gemma 3): the weights scale by `1 + weight` in fp32, before the cast."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        eps: float,
+        shard: TPShard,
+        device: torch.device,
+        dtype: torch.dtype,
+        unit_offset: bool = False,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.eps = shard.num_heads, shard.num_kv_heads, eps
         self.q_weight = _param(head_dim, device, dtype)
         self.k_weight = _param(head_dim, device, dtype)
+        self.unit_offset = unit_offset
+        self._norm = rms_norm_weight_first if unit_offset else rms_norm
         self.table = torch.empty(0)  # built once the weights are in (`process_weights_after_loading`)
 
     def process_weights_after_loading(self) -> None:
-        self.table = torch.cat([self.q_weight.expand(self.num_heads, -1), self.k_weight.expand(self.num_kv_heads, -1)])
+        q, k = self.q_weight, self.k_weight
+        if self.unit_offset:  # an fp32 table: `rms_norm_weight_first` scales before the cast
+            q, k = 1.0 + q.float(), 1.0 + k.float()
+        self.table = torch.cat([q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)])
 
     def forward(self, qk: torch.Tensor) -> torch.Tensor:
-        return rms_norm(qk, self.table, self.eps)
+        return self._norm(qk, self.table, self.eps)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 

@@ -49,9 +49,11 @@ class RotaryEmbedding(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         fp32_tables: bool = False,
+        layer_type: str | None = None,
     ) -> None:
+        """`layer_type` (Gemma 3): the RoPE of that layer type, `rope_parameters[layer_type]`."""
         super().__init__()
-        params = _rope_parameters(config)
+        params = _rope_parameters(config) if layer_type is None else config.rope_parameters[layer_type]
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
@@ -61,7 +63,8 @@ class RotaryEmbedding(nn.Module):
         else:
             if rope_type == "dynamic":
                 log.warning("dynamic RoPE: using the base frequencies (exact up to the original max length)")
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+            kw = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, **kw)
         # fp32 whatever the model dtype; a plain attribute, not a buffer, so no cast ever reaches it
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
         self.device, self.dtype = torch.device(device), dtype  # the model's: layers built beside it use them

@@ -4,7 +4,9 @@ Under tensor parallelism each rank holds `shard.vocab_rows` rows starting at `sh
 (engine/distributed/sharding.py): a token outside the shard looks up zeros there, and the
 all-reduce over ranks leaves each token's one real row.
 
-`multiplier` (Granite's `embedding_multiplier`) scales the looked-up rows, in the model's dtype.
+`multiplier` (Granite's `embedding_multiplier`, Gemma's sqrt(hidden)) scales the looked-up rows,
+in the model's dtype; `multiplier_in_dtype` (Gemma) rounds the multiplier to that dtype first, as
+transformers' Gemma does.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class VocabEmbedding(nn.Module):
         tp: TPGroup | None = None,
         vocab_start: int = 0,
         multiplier: float = 1.0,
+        multiplier_in_dtype: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype), False)
         self.tp = tp if tp is not None else TPGroup.single()
         self.vocab_start = vocab_start
-        self.multiplier = multiplier
+        self.multiplier: float | torch.Tensor = multiplier
+        if multiplier_in_dtype and multiplier != 1.0:
+            self.multiplier = torch.tensor(multiplier, dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -44,6 +49,6 @@ class VocabEmbedding(nn.Module):
             x = F.embedding(local.masked_fill(outside, 0), self.weight)
             x.masked_fill_(outside.unsqueeze(-1), 0)
             x = self.tp.all_reduce(x)
-        return x if self.multiplier == 1.0 else x * self.multiplier
+        return x if isinstance(self.multiplier, float) and self.multiplier == 1.0 else x * self.multiplier
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

@@ -131,8 +131,12 @@ class ModelRunner(RunnerWeights):
         self.attn_backend_name = resolve_attention_backend(
             args.attention_backend, self.device, self.dtype, cfg.head_dim
         )
-        self.use_cuda_graph = self.tp.size == 1 and cuda_graphs_apply(
-            self.device, self.attn_backend_name, args.disable_cuda_graph
+        # A windowed or soft-capped model's attention partly runs in torch ops that re-plan per
+        # forward (attention_window.py): no graph can capture that.
+        self.use_cuda_graph = (
+            self.tp.size == 1
+            and not (cfg.layer_windows or cfg.attn_logit_softcap is not None)
+            and cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
         )
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
         self.shard = shard = self.model.shard
@@ -143,7 +147,10 @@ class ModelRunner(RunnerWeights):
         layout = HeadLayout(shard.num_heads, shard.num_kv_heads, cfg.head_dim, cfg.softmax_scale)
         # Cascade planning is host work on the slot table: CPU pools only (no device round trip).
         cascade = not args.disable_cascade_attention and self.device.type == "cpu"
-        self.attn_backend = create_attention_backend(self.attn_backend_name, layout, cascade=cascade)
+        windows = cfg.layer_windows or (0,) * cfg.num_layers
+        self.attn_backend = create_attention_backend(
+            self.attn_backend_name, layout, cascade, windows, cfg.attn_logit_softcap
+        )
         log.info("attention backend: %s", self.attn_backend_name)
         self._init_fused_decode()
         self.sampler = Sampler()

@@ -8,6 +8,8 @@
   before the residual add;
 - `Olmo2DecoderLayer`: no pre-norm; each sublayer's output is normalised (`post_attention_layernorm`,
   `post_feedforward_layernorm`) before the residual add; its attention normalises the whole q and k.
+- `SandwichDecoderLayer` (Gemma 2/3): a norm before and after each sublayer, all four scaling by
+  `1 + weight` (`x + post_norm(attn(norm(x)))`, then `x + post_ff_norm(mlp(pre_ff_norm(x)))`).
 
 Attention and MLP are shared: q|k|v and gate|up are each one fused projection (fewer kernel
 launches), attention goes through the ForwardBatch's backend over the paged KV pool. A forward
@@ -47,7 +49,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = DenseLinear(self.q_size, (cfg.hidden_size,), cfg.o_bias, device, dtype)
         self.qk_norm: QKNorm | WholeQKNorm | None = None
         if cfg.qk_norm == QK_NORM_HEAD:
-            self.qk_norm = QKNorm(cfg.head_dim, cfg.rms_norm_eps, shard, device, dtype)
+            self.qk_norm = QKNorm(cfg.head_dim, cfg.rms_norm_eps, shard, device, dtype, cfg.unit_offset_norms)
         elif cfg.qk_norm == QK_NORM_WHOLE:
             self.qk_norm = WholeQKNorm(cfg.head_dim, cfg.rms_norm_eps, tp, shard, device, dtype)
         self.rotary_emb = rotary_emb
@@ -151,11 +153,35 @@ class Olmo2DecoderLayer(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
-DecoderLayer = LlamaDecoderLayer | GraniteDecoderLayer | Olmo2DecoderLayer
+class SandwichDecoderLayer(nn.Module):
+    """transformers' `Gemma2DecoderLayer` / `Gemma3DecoderLayer`: see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
+        super().__init__()
+        device, dtype = rotary_emb.device, rotary_emb.dtype
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, unit_offset=cfg.unit_offset_norms)
+
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
+        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, fb))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), fb))
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+DecoderLayer = LlamaDecoderLayer | GraniteDecoderLayer | Olmo2DecoderLayer | SandwichDecoderLayer
 
 
 def decoder_layer_class(cfg: ModelConfig) -> type[DecoderLayer]:
     """The layer shape `cfg` calls for (see the module docstring)."""
+    if cfg.sandwich_norms:
+        return SandwichDecoderLayer
     if cfg.post_norms:
         return Olmo2DecoderLayer
     if cfg.residual_multiplier != 1.0:

@@ -1,6 +1,7 @@
 """Native Llama-family decoder: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
-Granite (multipliers), OLMo 2 (post-norms, whole q/k RMSNorm) and Phi-3 (fused checkpoint
-tensors, partial rotary, longrope).
+Granite (multipliers), OLMo 2 (post-norms, whole q/k RMSNorm), Phi-3 (fused checkpoint
+tensors, partial rotary, longrope), Mistral (sliding window) and Gemma 2/3 (sandwich norms,
+soft-caps, local/global layers, RoPE per layer type).
 
 One implementation for all: what tells the families apart is in ModelConfig, and each switch
 picks a module at construction (the decoder layer's shape: decoder_layers.py; the q/k norm:
@@ -58,6 +59,7 @@ _LAYER_PARAMS = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
     "self_attn.q_norm.weight": "self_attn.qk_norm.q_weight",
     "self_attn.k_norm.weight": "self_attn.qk_norm.k_weight",
 }
@@ -94,20 +96,37 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard = TPShard.of(cfg, self.tp.rank, self.tp.size)
         rows = shard.vocab_rows
         self.embed_tokens = VocabEmbedding(
-            rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start, cfg.embedding_multiplier
-        )
-        self.rotary_emb = RotaryEmbedding(hf_config, cfg.head_dim, device, dtype, fp32_tables=cfg.rotary_fp32)
+            rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start, cfg.embedding_multiplier,
+            cfg.embedding_scale_in_dtype,
+        )  # fmt: skip
+        # One RoPE for every layer, or (Gemma 3) one per layer type; `layer_rope[i]` picks layer i's.
+        types = cfg.rope_layer_types or (None,) * cfg.num_layers
+        kinds = list(dict.fromkeys(types))
+        self.rotaries = [
+            RotaryEmbedding(hf_config, cfg.head_dim, device, dtype, fp32_tables=cfg.rotary_fp32, layer_type=t)
+            for t in kinds
+        ]
+        self.rotary_emb = self.rotaries[0]
+        self.layer_rope = [kinds.index(t) for t in types]
         layer_class = decoder_layer_class(cfg)
-        self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary_emb, self.tp, shard) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, cfg.norm_weight_before_cast)
+        self.layers = nn.ModuleList(
+            layer_class(cfg, i, self.rotaries[self.layer_rope[i]], self.tp, shard) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, device, dtype, cfg.norm_weight_before_cast, cfg.unit_offset_norms
+        )
         tied = self.embed_tokens.weight if cfg.tie_word_embeddings else None
         self.lm_head = DenseLinear(cfg.hidden_size, (rows,), False, device, dtype, weight=tied)
         self.logits_scaling = cfg.logits_scaling  # Granite divides its logits by it
+        self.final_logit_softcap = cfg.final_logit_softcap  # Gemma 2 squashes its logits through it
         # Whether the fused C++ layer loop implements these layers (csrc/cpu_decode_layers.cpp:
         # Llama's pre-norm layer, q/k/v biases, Qwen3's per-head q/k norm): not Granite's residual
         # multiplier, OLMo 2's post-norms or its whole q/k norm. The loop also needs every norm,
         # the activation and rotary in their fused forms (`fused`: not partial rotary, not OLMo 2's norms).
-        self.llama_layers = layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE
+        # Nor a soft-capped attention; a sliding window only while no sequence passes it (`plan`).
+        self.llama_layers = (
+            layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE and cfg.attn_logit_softcap is None
+        )
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
         self.fused_decode: FusedDecodeLayers | None = None
         # Parameter paths (norms, embeddings, projection weights as built): a weight update
@@ -120,15 +139,16 @@ class LlamaForCausalLM(nn.Module):
         in the model's dtype on one rank, float32 gathered across ranks (`TPGroup.gather_vocab`).
         Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
         x = self.embed_tokens(fb.input_ids)
-        cos, sin = self.rotary_emb.cos_sin(fb.positions)
+        tables = [rotary.cos_sin(fb.positions) for rotary in self.rotaries]
         fused = self.fused_decode
-        # the fused loop has no LoRA: a forward with adapter rows runs the layers
+        # the fused loop has no LoRA: a forward with adapter rows runs the layers (nor a sliding
+        # window: `plan` declines a forward with a sequence past it)
         plan = fused.plan(fb, x.shape[0]) if fused is not None and fb.lora is None else None
         if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
-            x = fused.forward(x, cos, sin, fb, plan)
+            x = fused.forward(x, *tables[0], fb, plan)
         else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, fb)
+            for layer, rope in zip(self.layers, self.layer_rope):
+                x = layer(x, *tables[rope], fb)
         if fb.prompt_logprob_rows is not None:  # scored by the runner, a slice at a time
             fb.prompt_hidden = x.index_select(0, fb.prompt_logprob_rows)
         if fb.embed_rows is not None:  # pooled by the scheduler into embeddings
@@ -144,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.norm(hidden))
         if self.logits_scaling != 1.0:  # in the model's dtype, as transformers' Granite divides
             logits = logits / self.logits_scaling
+        if self.final_logit_softcap is not None:  # in the model's dtype, as transformers' Gemma 2
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
     @property
@@ -308,4 +330,7 @@ MODEL_CLASSES = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
 }

@@ -45,6 +45,9 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
+    "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # transformers model_type -> architecture
 _MODEL_TYPE_TO_ARCH = {
@@ -54,6 +57,9 @@ _MODEL_TYPE_TO_ARCH = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
 # and their layouts (engine/models/gguf_weights.py) are mapped for these only

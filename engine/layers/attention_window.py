@@ -1,0 +1,169 @@
+"""Sliding-window layers and attention-logit soft-capping, over any attention backend.
+
+Mistral, Phi-3, Qwen2 (with `use_sliding_window`) and Gemma 2/3's local layers attend only the
+last `window` positions (transformers: key `k` is visible to query `q` when `q - window < k <= q`);
+Gemma 2 also squashes every attention score through `cap * tanh(score / cap)` before the softmax.
+
+`WindowedAttnBackend` wraps the backend chosen at start-up (C++ kernels, torch or Triton):
+- a forward where no sequence is longer than the smallest window, and the model has no soft-cap,
+  is exactly full causal attention: every layer runs the wrapped backend's plan (its kernels, its
+  cascade decode), so a short conversation on Mistral costs nothing extra;
+- otherwise the layers that need it (the windowed ones whose window binds; every layer under a
+  soft-cap) run `WindowPlan`: torch ops over the pool, decode as one batched pair of matmuls over
+  each request's last `window` slots, extend one SDPA per request with a window mask (explicit
+  scores when soft-capped: SDPA has no cap), a speculative verify one decode query per token (as
+  the CPU backend does, so speculation never changes a greedy token).
+
+The KV of positions that left every window stays allocated in the pool (each layer's table is the
+same token-level table); freeing it per layer is the SWA pool's job, not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache.memory_pool import KVCache
+from engine.layers.attention_ops import HeadLayout, gather_heads, softmax_attend
+from engine.model_executor.forward_batch_info import AttentionBackend, ForwardBatch
+
+GLOBAL = 0  # a layer's window: 0 = full causal attention
+
+
+def attend_window_rows(
+    q: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    slots: torch.Tensor,
+    pad: torch.Tensor,
+    layout: HeadLayout,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode-style attention of `q [B, H, D]` over `slots [B, n]` (`pad` True = not visible):
+    `[B, H*D]` in q's dtype."""
+    b, n = slots.shape
+    kvh, d = layout.num_kv_heads, layout.head_dim
+    flat = slots.reshape(-1)
+    k = gather_heads(kb, flat, layout).view(kvh, b, n, d)
+    v = gather_heads(vb, flat, layout).view(kvh, b, n, d)
+    qg = q.view(b, kvh, layout.q_per_kv, d).transpose(0, 1)  # [KVH, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(layout.scaling)
+    if softcap is not None:  # transformers' order: scale, cap, then the mask
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(pad.view(1, b, 1, n), float("-inf"))
+    out, _ = softmax_attend(scores, v, want_lse=False)
+    return out.transpose(0, 1).reshape(b, -1).to(q.dtype)
+
+
+def _window_rows(
+    table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's visible slots `[B, n]` (its row's last `window` positions before `lens`, all of
+    them for GLOBAL) and the padding mask (True past the visible ones)."""
+    starts = (lens - window).clamp_(min=0) if window else torch.zeros_like(lens)
+    n = int((lens - starts).max())
+    cols = starts[:, None] + torch.arange(n, device=lens.device)[None, :]
+    pad = cols >= lens[:, None]
+    cols = cols.clamp_(max=table.shape[1] - 1)
+    return table[rows[:, None], cols].to(torch.int64), pad
+
+
+class WindowPlan:
+    """One forward's windowed / soft-capped attention in torch ops (see the module docstring)."""
+
+    def __init__(self, layout: HeadLayout, softcap: float | None, windows: set[int], fb: ForwardBatch) -> None:
+        self.layout, self.softcap, self.pool = layout, softcap, fb.token_to_kv_pool
+        table, device = fb.req_to_token_pool.req_to_token, fb.seq_lens.device
+        self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.extend: list[tuple[int, int, int, int]] = []  # (q start, ext, prefix, table row)
+        self.table = table
+        self.per_query = fb.forward_mode.is_decode() or fb.forward_mode.is_verify()
+        if self.per_query:
+            rows, lens = fb.req_pool_indices, fb.seq_lens
+            if fb.forward_mode.is_verify():  # one query per token: token i sees prefix + i + 1
+                per = zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+                pairs = [(row, p + i + 1) for row, p, n in per for i in range(n)]
+                rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=device)
+                lens = torch.tensor([n for _, n in pairs], dtype=torch.int64, device=device)
+            for w in windows:
+                self.decode_rows[w] = _window_rows(table, rows.to(torch.int64), lens.to(torch.int64), w)
+        else:
+            start = 0
+            per = zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+            for row, prefix, ext in per:
+                self.extend.append((start, ext, prefix, row))
+                start += ext
+
+    def forward(self, q: torch.Tensor, layer_id: int, window: int) -> torch.Tensor:
+        kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
+        if self.per_query:
+            slots, pad = self.decode_rows[window]
+            return attend_window_rows(q, kb, vb, slots, pad, self.layout, self.softcap)
+        layout = self.layout
+        out = torch.empty(q.shape[0], layout.num_heads * layout.head_dim, dtype=q.dtype, device=q.device)
+        for s, ext, prefix, row in self.extend:
+            seq = prefix + ext
+            first = max(0, prefix - window + 1) if window else 0  # no query of this chunk sees before
+            idx = self.table[row, first:seq].to(torch.int64)
+            k, v = gather_heads(kb, idx, layout), gather_heads(vb, idx, layout)  # [KVH, L, D]
+            q_pos = torch.arange(prefix, seq, device=q.device)[:, None]
+            k_pos = torch.arange(first, seq, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if window:
+                visible &= k_pos > q_pos - window
+            qi = q[s : s + ext].transpose(0, 1)  # [H, ext, D]
+            out[s : s + ext] = self._attend(qi, k, v, visible).transpose(0, 1).reshape(ext, -1)
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        if self.softcap is None:  # [1, H, ext, D] operands, the boolean mask broadcast over heads
+            o = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=visible, scale=layout.scaling, enable_gqa=True
+            )
+            return o[0]
+        g = layout.q_per_kv
+        qg = q.reshape(layout.num_kv_heads, g * q.shape[1], layout.head_dim)  # heads grouped by KV head
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(layout.scaling)
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(layout.num_kv_heads, g, q.shape[1], -1).masked_fill_(~visible, float("-inf"))
+        out, _ = softmax_attend(scores.view(layout.num_kv_heads, g * q.shape[1], -1), v, want_lse=False)
+        return out.view(layout.num_heads, q.shape[1], layout.head_dim).to(q.dtype)
+
+
+class WindowedAttnBackend:
+    """`inner` for the layers and forwards full attention serves exactly; `WindowPlan` for the rest."""
+
+    def __init__(self, inner: AttentionBackend, layout: HeadLayout, windows: tuple[int, ...], softcap: float | None):
+        self.inner, self.layout, self.windows, self.softcap = inner, layout, windows, softcap
+        self.min_window = min((w for w in windows if w), default=0)
+        self.plan: WindowPlan | None = None
+        self.own_layers: frozenset[int] = frozenset()  # layers this forward runs through `plan`
+
+    def binds(self, fb: ForwardBatch) -> bool:
+        """Whether some sequence of this forward is longer than the smallest window."""
+        return bool(self.min_window) and max(fb.seq_lens_cpu) > self.min_window
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        binds = self.binds(fb)
+        if self.softcap is not None:
+            self.own_layers = frozenset(range(len(self.windows)))
+        elif binds:
+            self.own_layers = frozenset(i for i, w in enumerate(self.windows) if w)
+        else:
+            self.own_layers = frozenset()
+        if len(self.own_layers) < len(self.windows):
+            self.inner.init_forward_metadata(fb)
+        needed = {self.windows[i] if binds else GLOBAL for i in self.own_layers}
+        self.plan = WindowPlan(self.layout, self.softcap, needed, fb) if self.own_layers else None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        if layer_id not in self.own_layers:
+            return self.inner.forward(q, k, v, layer_id, fb)
+        pool: KVCache = fb.token_to_kv_pool
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        assert self.plan is not None
+        window = self.windows[layer_id] if self.binds(fb) else GLOBAL
+        return self.plan.forward(q, layer_id, window)
