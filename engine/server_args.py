@@ -93,6 +93,11 @@ class ServerArgs:
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None
+    # SGLang's batch-invariant mode: a request's logits are bit-identical whatever else is in the
+    # batch, however its prompt was chunked, with or without a radix hit. Every projection runs
+    # dense in fixed row tiles (engine/layers/linear.py `BatchInvariantLinear`; no int4 path, no
+    # fused decode loop), no cascade attention, one torch thread count for every forward.
+    enable_deterministic_inference: bool = False
     # SGLang's watchdog: a forward still running after this many seconds means a hung device (or
     # kernel): every thread's stack is logged, its requests fail, the engine turns unhealthy (the
     # server then exits non-zero for its supervisor). None or <= 0 disables it.
@@ -237,6 +242,9 @@ class ServerArgs:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             fail("grammar_compile_timeout", "a positive number of seconds")
         self._verify_lora(fail, is_int)
+        if self.enable_deterministic_inference and self.enable_mixed_chunk:
+            # a mixed forward's decode rows would take the extend GEMM tiles (linear.RowTiles)
+            fail("enable_mixed_chunk", "off with enable_deterministic_inference")
         try:
             self.resolved_watchdog_timeout()
             self.resolved_q4_max_tokens()

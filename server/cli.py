@@ -254,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's flag for /release_memory_occupation; accepted, not needed (memory can always be released)",
     )
     g.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant inference: a request's logits are bit-identical alone or in any batch, "
+        "chunked or not, with or without a radix hit (dense weights in fixed row tiles, no int4 path, "
+        "no cascade attention; costs throughput)",
+    )
+    g.add_argument(
         "--weight-version",
         help="the served weights' version, reported by /get_model_info and in every meta_info; each "
         "/update_weights_from_disk sets its own (default: default)",
@@ -399,6 +406,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         engine["dtype"] = DTYPES[ns.dtype]
     for flag in (
         "enable_memory_saver",
+        "enable_deterministic_inference",
         "disable_radix_cache",
         "disable_cascade_attention",
         "disable_fused_decode",

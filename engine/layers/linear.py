@@ -14,6 +14,9 @@
   where the kernel's per-row cost loses. That row-count choice is this module's job; where the
   crossover lies is measured at start-up (int4_crossover.py).
 
+- `BatchInvariantLinear` (`--enable-deterministic-inference`): the dense form called on exactly
+  `rows` rows at a time, so a row's result never depends on the batch around it (see the class).
+
 `finalize_linear` turns a loaded `DenseLinear` into the module the model keeps. The dense weight
 is then referenced by nothing (a oneDNN or int4 module holds its own copy), so it is freed —
 except where the dense weight is shared, as a tied LM head shares the embedding table.
@@ -128,13 +131,66 @@ class QuantLinear(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
-Linear = DenseLinear | OneDNNLinear | QuantLinear
+class RowTiles:
+    """The row count every `BatchInvariantLinear` of one model calls its GEMM with, set per
+    forward by the model from the forward's mode (`select`). A request's tokens are computed in
+    one mode each (its prompt in extend forwards, its new tokens in decode or verify forwards), so
+    each mode needs only its own fixed count. Measured on 576x1728 ... 576x49152 bf16 (oneDNN,
+    AMX): a call's row blocks are 32 rows, a partial block runs another kernel, and each extra
+    call re-reads the weight. Decode's count (64) is a whole number of blocks and a typical
+    batch: a 64-row decode costs what an untiled one does, a batch of one pays the padded rows
+    (about 3x its GEMM time). Extend's (256) runs a prefill's GEMMs as fast as one call over every
+    row; a short prompt alone pads to it."""
+
+    DECODE, EXTEND = 64, 256
+
+    def __init__(self) -> None:
+        self.rows = self.EXTEND
+
+    def select(self, decode_like: bool) -> None:
+        self.rows = self.DECODE if decode_like else self.EXTEND
+
+
+class BatchInvariantLinear(nn.Module):
+    """`inner` on `[tiles.rows, in]` tiles only, the last one zero-padded: each row's result is
+    then a function of that row alone, whatever the batch (deterministic inference).
+
+    Why tiles: a GEMM library picks its kernel and blocking by the row count, and the sums change
+    with them (measured here: oneDNN's bf16 LM head from 33 rows, the fp32 BLAS from 2), while for
+    one fixed row count every row comes out the same wherever it sits and whatever its neighbours
+    hold (tests/test_deterministic.py checks both)."""
+
+    def __init__(self, inner: DenseLinear | OneDNNLinear, tiles: RowTiles) -> None:
+        super().__init__()
+        self.inner, self.tiles = inner, tiles
+        self.bias = inner.bias
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.output_sizes = inner.output_sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, rows = x.shape[0], self.tiles.rows
+        if t == rows:
+            return self.inner(x)
+        pad = -t % rows
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = x.new_empty(t + pad, self.out_features)
+        for start in range(0, t + pad, rows):
+            out[start : start + rows] = self.inner(x[start : start + rows])
+        return out[:t]
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+Linear = DenseLinear | OneDNNLinear | QuantLinear | BatchInvariantLinear
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
     """The projection's weight as a plain `[out, in]` tensor, whatever form it runs as (a weight
     update rebuilds a form from it). A quantized projection gives its dense form's weight: the
     same values its quantized kernel reads, dequantized."""
+    if isinstance(linear, BatchInvariantLinear):
+        return dense_weight(linear.inner)
     if isinstance(linear, QuantLinear):
         return dense_weight(linear.big)
     if isinstance(linear, OneDNNLinear):
@@ -143,12 +199,16 @@ def dense_weight(linear: Linear) -> torch.Tensor:
 
 
 def finalize_linear(
-    dense: DenseLinear, packed: QuantWeight | None, q4_max_rows: int
-) -> DenseLinear | OneDNNLinear | QuantLinear:
+    dense: DenseLinear, packed: QuantWeight | None, q4_max_rows: int, row_tiles: RowTiles | None = None
+) -> Linear:
     """The module a loaded projection runs as: `QuantLinear` when it has a quantized form, the
     quantized path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernels' only
-    fast case), else its dense form (prepacked for oneDNN where that applies)."""
+    fast case), else its dense form (prepacked for oneDNN where that applies); with
+    `row_tiles` (deterministic inference), the dense form in `BatchInvariantLinear` (no quantized
+    form: its kernel runs a few rows only, so a row would change with the batch's size)."""
     big = OneDNNLinear.from_dense(dense) or dense
+    if row_tiles is not None:
+        return BatchInvariantLinear(big, row_tiles)
     weight = dense.weight
     if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return big

@@ -65,16 +65,22 @@ class StepThreads:
     next barrier: on 2 cores a bs-1 decode step took 12.7-13.3 ms with 2 threads and 8.6-9.1 ms
     with 1 (single stream 74 -> 98 tok/s), while batches want every core (W1 499 vs 318 tok/s
     with 1 thread). So small forwards leave one core free and larger ones use all of them.
+
+    `pin_extend` (deterministic inference): every extend runs with all of them, as a GEMM's sums
+    may change with the thread count (measured: oneDNN's 256-row bf16 tile of a 1536x576
+    projection); decode's 64-row tiles come out the same with either count (tests/test_deterministic.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pin_extend: bool = False) -> None:
         self.full: int | None = None  # the forward thread's own count, read at its first step
         self.now: int | None = None
+        self.pin_extend = pin_extend
 
-    def before(self, num_tokens: int) -> None:
+    def before(self, num_tokens: int, extend: bool = False) -> None:
         if self.full is None:
             self.full = self.now = torch.get_num_threads()
-        want = max(1, self.full - 1) if num_tokens <= SMALL_STEP_TOKENS else self.full
+        small = num_tokens <= SMALL_STEP_TOKENS and not (extend and self.pin_extend)
+        want = max(1, self.full - 1) if small else self.full
         if want != self.now:
             torch.set_num_threads(want)
             self.now = want
@@ -122,7 +128,8 @@ class ModelRunner(RunnerWeights):
         # Checked before anything is loaded: an unusable option is a typed error at start-up.
         check_attention_backend(args.attention_backend, self.device)
         self.cuda_graph_max_bs = resolve_cuda_graph_max_bs(args.cuda_graph_max_bs, args.max_running_requests)
-        q4_max_tokens = args.resolved_q4_max_tokens() if self.tp.size == 1 else 0
+        deterministic = args.enable_deterministic_inference
+        q4_max_tokens = args.resolved_q4_max_tokens() if self.tp.size == 1 and not deterministic else 0
         self.source = source or resolve_model(args.model_path)
         self.model_config = cfg = ModelConfig.from_hf(
             self.source.hf_config, self.source.architecture, self.source.generation_eos
@@ -146,7 +153,8 @@ class ModelRunner(RunnerWeights):
             self.req_to_token_pool.record_writes()
         layout = HeadLayout(shard.num_heads, shard.num_kv_heads, cfg.head_dim, cfg.softmax_scale)
         # Cascade planning is host work on the slot table: CPU pools only (no device round trip).
-        cascade = not args.disable_cascade_attention and self.device.type == "cpu"
+        # Deterministic inference: a request's attention must not depend on which others share its prefix.
+        cascade = not args.disable_cascade_attention and self.device.type == "cpu" and not deterministic
         windows = cfg.layer_windows or (0,) * cfg.num_layers
         self.attn_backend = create_attention_backend(
             self.attn_backend_name, layout, cascade, windows, cfg.attn_logit_softcap
@@ -159,7 +167,7 @@ class ModelRunner(RunnerWeights):
         # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
         # worker rank has no event loop to make room for.
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
-        self.step_threads = StepThreads() if adapt else None
+        self.step_threads = StepThreads(pin_extend=deterministic) if adapt else None
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()
@@ -224,7 +232,7 @@ class ModelRunner(RunnerWeights):
         # uses unless `torch_threads` says otherwise. Not set here on purpose: calling
         # torch.set_num_threads on a second thread slowed every later forward on the device
         # stream's thread by ~1.5x (bf16 decode at batch 64: 52 -> 77 ms, bench.offline W2).
-        q4_rows = model.process_weights_after_loading(q4, q4_max_tokens)
+        q4_rows = model.process_weights_after_loading(q4, q4_max_tokens, self.args.enable_deterministic_inference)
         head = model.lm_head
         if self.args.speculative_algorithm is not None and isinstance(head, QuantLinear) and head.max_rows > 0:
             # a verify forward's rows take the decode's head: the same logits with and without
@@ -344,7 +352,8 @@ class ModelRunner(RunnerWeights):
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         if self.step_threads is not None:
-            self.step_threads.before(len(batch.out_cache_loc))
+            mode = batch.forward_mode
+            self.step_threads.before(len(batch.out_cache_loc), mode.is_extend() and not mode.is_verify())
         logits, shared, fb = self._run_forward(batch, sampled=True)
         prompt_lps = None
         if batch.prompt_logprobs is not None:  # before the ids' broadcast: the worker ranks' order

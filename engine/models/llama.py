@@ -34,7 +34,7 @@ from engine.errors import ModelLoadError
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import measure_int4_crossover
-from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, finalize_linear
+from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, RowTiles, finalize_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
@@ -127,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.llama_layers = (
             layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE and cfg.attn_logit_softcap is None
         )
+        # deterministic inference: the GEMM row count of this forward's mode (linear.py)
+        self.row_tiles: RowTiles | None = None
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
         self.fused_decode: FusedDecodeLayers | None = None
         # Parameter paths (norms, embeddings, projection weights as built): a weight update
@@ -138,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits [B, V] (last new token of each request), or [num_tokens, V] with prompt logits;
         in the model's dtype on one rank, float32 gathered across ranks (`TPGroup.gather_vocab`).
         Under tensor parallelism only rank 0 gets them (None on the other ranks)."""
+        if self.row_tiles is not None:
+            self.row_tiles.select(not fb.forward_mode.is_extend() or fb.forward_mode.is_verify())
         x = self.embed_tokens(fb.input_ids)
         tables = [rotary.cos_sin(fb.positions) for rotary in self.rotaries]
         fused = self.fused_decode
@@ -287,7 +291,9 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.data.copy_(tensor)
 
-    def process_weights_after_loading(self, q4: dict[str, QuantWeight], q4_max_rows: int | None) -> int:
+    def process_weights_after_loading(
+        self, q4: dict[str, QuantWeight], q4_max_rows: int | None, batch_invariant: bool = False
+    ) -> int:
         """Give every projection its final form (linear.finalize_linear); returns the row bound
         of the quantized path: `q4_max_rows`, or when None measured here on the model's own
         projections (int4_crossover.py; the 4-bit layers and the Q8_0 LM head apart, as their
@@ -295,18 +301,20 @@ class LlamaForCausalLM(nn.Module):
 
         Projections are replaced one at a time, so each dense weight is freed as soon as its
         oneDNN or quantized form exists (a tied LM head keeps the embedding table, which the lookup
-        still reads).
+        still reads). `batch_invariant` (deterministic inference): every projection, the LM head
+        included, runs its dense form in fixed row tiles and no quantized form is kept (returns 0).
         """
         for layer in self.layers:
             if layer.self_attn.qk_norm is not None:
                 layer.self_attn.qk_norm.process_weights_after_loading()
-        measure = q4_max_rows is None
-        rows = 1 if q4_max_rows is None else q4_max_rows  # provisional while measuring
+        measure = q4_max_rows is None and not batch_invariant
+        rows = 0 if batch_invariant else 1 if q4_max_rows is None else q4_max_rows  # 1: provisional while measuring
+        self.row_tiles = RowTiles() if batch_invariant else None
         names = [name for name, module in self.named_modules() if isinstance(module, DenseLinear)]
         for name in names:
             dense = self.get_submodule(name)
             assert isinstance(dense, DenseLinear)
-            self.set_submodule(name, finalize_linear(dense, q4.get(name), rows))
+            self.set_submodule(name, finalize_linear(dense, q4.get(name), rows, self.row_tiles))
         if not measure:
             return rows
         quant = [(name, m) for name, m in self.named_modules() if isinstance(m, QuantLinear)]

@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.distributed.sharding import VOCAB_PARALLEL
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.layers.linear import DenseLinear, Linear, dense_weight, finalize_linear
+from engine.layers.linear import BatchInvariantLinear, DenseLinear, Linear, dense_weight, finalize_linear
 from engine.model_config import ModelConfig
 from engine.models.checkpoint_parts import WeightItem, llama_layout
 from engine.models.llama import PARAM, PART, SKIP, UNKNOWN, LlamaForCausalLM
@@ -167,4 +167,4 @@ def _rebuilt(live: Linear, given: dict[tuple[str, int], torch.Tensor], q4_rows: 
         for (attr, part), tensor in given.items():
             first, rows = dense.shard_rows(part)
             getattr(dense, attr)[first : first + rows].copy_(tensor)
-    return finalize_linear(dense, None, q4_rows)
+    return finalize_linear(dense, None, q4_rows, live.tiles if isinstance(live, BatchInvariantLinear) else None)

@@ -1,0 +1,187 @@
+"""Deterministic inference (`--enable-deterministic-inference`, issue 35): batch invariance.
+
+The default model in bf16 (the path whose kernels change with the batch: oneDNN GEMMs, the 4-bit
+kernel, cascade attention). One target request's logits rows (those its tokens were sampled from)
+must be bit-identical alone, inside batches of 4, 16 and 64 mixed requests (joining at start and
+mid-run), with its prompt prefilled in 16-token chunks (alone and in a batch), and with its prefix
+served by the radix cache. Seeded sampling gives the same tokens in a batch as alone. The fixed
+row tiles themselves: a row's result is the same bits at any batch size and position.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SyncScheduler
+from engine.errors import InvalidServerArgsError
+from engine.layers.linear import BatchInvariantLinear, DenseLinear, OneDNNLinear, RowTiles, finalize_linear
+from engine.model_executor.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.server_args import ServerArgs
+
+TARGET = "target"
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+class LogitsTap(SyncScheduler):
+    """Keeps the target request's logits row of every step that sampled one of its tokens."""
+
+    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
+        super().__init__(runner, args)
+        self.rows: list[torch.Tensor] = []
+        self.target = None
+        self._last: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
+        real = runner.model.compute_logits
+
+        def tap(hidden: torch.Tensor) -> torch.Tensor | None:
+            self._last = real(hidden)
+            return self._last
+
+        runner.model.compute_logits = tap
+
+    def run(self, lb):
+        self._last = None
+        result = super().run(lb)
+        rows = [i for i, r in enumerate(lb.reqs) if r.rid == TARGET]
+        logits = self._last
+        self._pending = logits[rows[0]].clone() if rows and logits is not None else None
+        return result
+
+    def process(self, lb, result):
+        before = len(self.target.output_ids) if self.target is not None else 0
+        msg = super().process(lb, result)
+        if self.target is not None and len(self.target.output_ids) > before and self._pending is not None:
+            self.rows.append(self._pending)
+        return msg
+
+
+def _runner(default_source, deterministic: bool, chunk: int | None) -> ModelRunner:
+    args = ServerArgs(
+        dtype="bfloat16",
+        device="cpu",
+        max_total_tokens=16384,
+        max_running_requests=64,
+        chunked_prefill_size=chunk,
+        enable_deterministic_inference=deterministic,
+    )
+    return ModelRunner(args, default_source)
+
+
+def _others(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 160))],
+            SamplingParams(temperature=0.0, max_new_tokens=rng.randrange(1, 30), ignore_eos=True),
+        )
+        for _ in range(n)
+    ]
+
+
+PROMPT = [(17 * i + 5) % 30000 + 100 for i in range(70)]
+
+
+def _target_rows(
+    runner: ModelRunner, others: int = 0, join_at: int = 0, warm_prefix: bool = False, params=GREEDY
+) -> tuple[list[int], list[torch.Tensor], int]:
+    """(target's tokens, its logits rows, its cached prompt tokens) in one scenario."""
+    sched = LogitsTap(runner, runner.args)
+    assert sched.scheduler.flush_cache()
+    if warm_prefix:  # another request with the target's first 48 tokens, finished first
+        sched.add_request(PROMPT[:48] + [101, 102, 103], SamplingParams(max_new_tokens=2, temperature=0.0))
+        sched.run_until_idle()
+    for prompt, p in _others(others, seed=others + join_at):
+        sched.add_request(prompt, p)
+
+    def join(step: int) -> None:
+        if step == join_at and sched.target is None:
+            sched.target = sched.add_request(PROMPT, params, rid=TARGET)
+
+    if join_at == 0:
+        join(0)
+    sched.run_until_idle(on_step=join)
+    target = sched.target
+    assert target is not None and len(sched.rows) == len(target.output_ids) == params.max_new_tokens
+    return target.output_ids, sched.rows, target.cached_tokens
+
+
+SCENARIOS = [
+    dict(others=4),
+    dict(others=16, join_at=3),
+    dict(others=63),
+    dict(warm_prefix=True),
+]
+
+
+@pytest.fixture(scope="module")
+def deterministic(default_source) -> ModelRunner:
+    return _runner(default_source, True, None)
+
+
+def test_every_projection_runs_in_fixed_row_tiles(deterministic):
+    model = deterministic.model
+    projections = [m for m in model.modules() if hasattr(m, "output_sizes") and not isinstance(m, OneDNNLinear)]
+    assert projections and all(isinstance(m, BatchInvariantLinear) for m in projections if m is not model.lm_head)
+    assert isinstance(model.lm_head, BatchInvariantLinear)
+    assert deterministic.q4_max_tokens == 0 and model.fused_decode is None
+    assert deterministic.step_threads is not None and deterministic.step_threads.pin_extend
+
+
+def test_logits_are_bit_identical_in_any_batch_chunking_and_radix_state(deterministic, default_source):
+    base_ids, base_rows, _ = _target_rows(deterministic)
+    for scenario in SCENARIOS:
+        ids, rows, cached = _target_rows(deterministic, **scenario)
+        assert ids == base_ids, scenario
+        assert all(torch.equal(a, b) for a, b in zip(rows, base_rows)), scenario
+        if scenario.get("warm_prefix"):
+            assert cached >= 48  # the radix cache served the prefix
+    chunked = _runner(default_source, True, 16)
+    for scenario in (dict(), dict(others=8, join_at=2)):
+        ids, rows, _ = _target_rows(chunked, **scenario)
+        assert ids == base_ids and all(torch.equal(a, b) for a, b in zip(rows, base_rows)), ("chunked", scenario)
+
+
+def test_seeded_sampling_gives_the_same_tokens_in_a_batch(deterministic):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=7, ignore_eos=True)
+    alone, _, _ = _target_rows(deterministic, params=params)
+    batched, _, _ = _target_rows(deterministic, others=16, join_at=2, params=params)
+    assert alone == batched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("decode", [True, False])
+def test_a_rows_result_depends_on_that_row_alone(dtype, decode):
+    """`BatchInvariantLinear` over the LM head's shape (the widest GEMM): in either mode's tiles,
+    a row's output is the same bits at batch sizes 1..300 and at any position, beside random
+    neighbours; a decode tile's also with one thread fewer (small decodes run so: StepThreads)."""
+    torch.manual_seed(0)
+    dense = DenseLinear(576, (49152 if decode else 1728,), False, torch.device("cpu"), dtype)
+    dense.weight.data.normal_(0, 0.05)
+    tiles = RowTiles()
+    tiles.select(decode)
+    linear = finalize_linear(dense, None, 0, tiles)
+    assert isinstance(linear, BatchInvariantLinear)
+    probe = torch.randn(576).to(dtype)
+    alone = linear(probe[None])[0]
+    threads = torch.get_num_threads()
+    for m in (2, 15, 16, 17, 33, 70) if decode else (2, 255, 256, 300):
+        x = torch.randn(m, 576).to(dtype)
+        at = m // 2
+        x[at] = probe
+        assert torch.equal(linear(x)[at], alone), m
+        if decode and threads > 1:
+            try:
+                torch.set_num_threads(threads - 1)
+                assert torch.equal(linear(x)[at], alone), (m, "threads")
+            finally:
+                torch.set_num_threads(threads)
+
+
+def test_mixed_chunk_is_refused(default_source):
+    args = ServerArgs(device="cpu", enable_deterministic_inference=True, enable_mixed_chunk=True)
+    with pytest.raises(InvalidServerArgsError, match="enable_mixed_chunk"):
+        args.verify()
