@@ -16,7 +16,7 @@ from __future__ import annotations
 from engine.lora.adapter import AdapterConfig, LoRAAdapter, LoRAModule, adapter_from_tensors, load_adapter
 from engine.lora.batch import LoRABatchInfo
 from engine.lora.errors import LoRAError, LoRAPoolFullError
-from engine.lora.ops import apply_lora, lora_delta
+from engine.lora.ops import add_lora_deltas, apply_lora
 from engine.lora.pool import BASE_SLOT, LoRAPool, LoRAWeights, resolve_target_modules
 from engine.lora.projections import PROJECTIONS, shard_lora
 from engine.lora.registry import LoRARegistry, parse_lora_paths
@@ -34,9 +34,9 @@ __all__ = [
     "LoRARegistry",
     "LoRAWeights",
     "adapter_from_tensors",
+    "add_lora_deltas",
     "apply_lora",
     "load_adapter",
-    "lora_delta",
     "parse_lora_paths",
     "resolve_target_modules",
     "shard_lora",

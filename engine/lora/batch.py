@@ -12,6 +12,7 @@ and projection; the few index tensors move to the device in one place, as Forwar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,25 @@ class LoRABatchInfo:
     seg_starts: tuple[int, ...]  # host: where each segment starts among the LoRA rows
     seg_lens: tuple[int, ...]
     seg_table: torch.Tensor  # [3, segments] int32 on the device: slots, starts, lengths (the kernels')
+
+    @functools.cached_property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The segments padded to the longest, for the torch path's batched matmuls (built once
+        per forward, on first use): (slots `[S]`, the forward's row of each padded position
+        `[S * L]` (a pad repeats its segment's first row), the padded position of each LoRA row in
+        segment order `[n]`, L)."""
+        length = self.max_seg_len
+        starts = torch.tensor(self.seg_starts, dtype=torch.int64)
+        lens = torch.tensor(self.seg_lens, dtype=torch.int64)
+        offsets = torch.arange(length, dtype=torch.int64)
+        positions = starts[:, None] + torch.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
+        segment = torch.repeat_interleave(torch.arange(len(self.seg_lens)), lens)
+        valid = segment * length + (torch.arange(self.num_lora_rows) - starts[segment])
+        device = self.pool.device
+        positions = positions.reshape(-1).to(device)
+        rows = positions if self.row_index is None else self.row_index[positions]
+        slots = torch.tensor(self.seg_slots, dtype=torch.int64, device=device)
+        return slots, rows, valid.to(device), length
 
     @property
     def max_seg_len(self) -> int:

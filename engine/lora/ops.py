@@ -13,8 +13,9 @@ Under tensor parallelism `x` and `out` are this rank's (the pool holds this rank
 projections.py): a row-parallel projection's delta is a partial sum like its base output, so call
 this before the layer's all-reduce.
 
-Two implementations, chosen when the pool is built (`LoRAPool.kernel`): torch ops (CPU; one
-gather, then per adapter one shrink and one expand per part, one scatter-add), and the Triton SGMV
+Two implementations, chosen when the pool is built (`LoRAPool.kernel`): torch ops (CPU; per
+adapter one shrink and one expand over the block-diagonal B, added into the output in place; a
+gather and a scatter-add around them when base rows are mixed in), and the Triton SGMV
 kernels (triton_ops.py; GPU), imported only when used so CPU-only code never needs triton.
 """
 
@@ -40,27 +41,40 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, layer: int, projection: str, 
         from engine.lora import triton_ops  # the GPU path only: see the module docstring
 
         return triton_ops.lora_expand(triton_ops.lora_shrink(x, w, info), w, out, info)
-    delta = lora_delta(x, w, info)
-    if info.row_index is None:
-        out += delta
-    else:
-        out.index_add_(0, info.row_index, delta)
-    return out
+    if len(info.seg_slots) > 1:
+        return add_padded_lora_deltas(x, out, w, info)
+    if info.row_index is None:  # every row is a LoRA row, in segment order: add in place
+        return add_lora_deltas(x, out, w, info)
+    delta = add_lora_deltas(x.index_select(0, info.row_index), x.new_zeros(info.num_lora_rows, out.shape[1]), w, info)
+    return out.index_add_(0, info.row_index, delta)
 
 
-def lora_delta(x: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
-    """`[LoRA rows, out]` in `x`'s dtype: each LoRA row's delta, in segment order (torch ops).
-
-    The loop runs over the batch's adapters (at most max_loras_per_batch) and the projection's
-    parts (at most 3), never over requests or rows."""
-    xs = x if info.row_index is None else x.index_select(0, info.row_index)
-    delta = x.new_zeros(info.num_lora_rows, sum(w.out_sizes))
-    r = w.max_rank
+def add_lora_deltas(xs: torch.Tensor, target: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
+    """Add each LoRA row's delta to `target` (`[LoRA rows, out]`, segment order) in place (torch
+    ops): per adapter, `target[rows] += ((xs[rows] @ A.T) * scaling) @ Bt`. The loop runs over the
+    batch's adapters (at most max_loras_per_batch), never over requests or rows."""
+    assert w.bt is not None, "the torch path's block-diagonal B (LoRAPool kernel 'torch')"
     for slot, start, length in zip(info.seg_slots, info.seg_starts, info.seg_lens):
         if slot not in w.active:  # this adapter leaves the projection alone in this layer
             continue
         rows = slice(start, start + length)
-        h = ((xs[rows] @ w.a[slot].T) * w.scaling[slot]).to(x.dtype)  # shrink, scaled per rank column
-        for p, (first, size) in enumerate(zip(w.out_starts, w.out_sizes)):
-            delta[rows, first : first + size] = h[:, p * r : (p + 1) * r] @ w.b[slot, first : first + size].T
-    return delta
+        h = ((xs[rows] @ w.a[slot].T) * w.scaling[slot]).to(xs.dtype)  # shrink, scaled per rank column
+        target[rows].addmm_(h, w.bt[slot])
+    return target
+
+
+def add_padded_lora_deltas(x: torch.Tensor, out: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
+    """Several adapters at once (torch ops): the segments padded to the longest (`info.padded`),
+    one batched shrink and one batched expand over the segments' slots, the LoRA rows' deltas
+    added to `out`. A fixed number of ops whatever the number of adapters (one op per adapter per
+    projection was most of a LoRA decode step on a CPU); a slot that leaves this projection alone
+    holds zeros, so it adds zeros."""
+    assert w.bt is not None, "the torch path's block-diagonal B (LoRAPool kernel 'torch')"
+    slots, rows, valid, length = info.padded
+    xs = x.index_select(0, rows).view(slots.numel(), length, x.shape[1])
+    h = torch.bmm(xs, w.a.index_select(0, slots).transpose(1, 2))
+    h = (h * w.scaling.index_select(0, slots)[:, None, :]).to(x.dtype)  # shrink, scaled per rank column
+    delta = torch.bmm(h, w.bt.index_select(0, slots)).view(-1, out.shape[1]).index_select(0, valid)
+    if info.row_index is None:
+        return out.add_(delta)
+    return out.index_add_(0, info.row_index, delta)

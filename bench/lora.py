@@ -1,0 +1,122 @@
+"""Multi-LoRA serving throughput against the base model alone, in one run:
+
+    python -m bench.lora [--adapters 1 4 16] [--rank 16] [--requests 64]
+
+A W1-shaped workload (bench.offline's W1: 64 requests, prompts U[64, 512], outputs U[32, 256],
+greedy, EOS ignored) runs through our `Engine` on the base model, then with its requests spread
+round-robin over 1, 4 and 16 rank-`rank` adapters of the default model (every projection adapted,
+seeded random A and B, written in PEFT's format), each adapter count a fresh engine with the
+adapters given at start-up (`lora_paths`) and every other option at the engine's default
+(`max_loras_per_batch` 8: with 16 adapters the scheduler bounds the adapters per forward).
+
+Prints output tok/s, the ratio to the base model, and the time LoRA adds to a decode step: the
+mean decode step (batches of 32-64 rows, from `Engine.recent_steps`) with adapters minus the
+base model's, which is the shrink/expand matmuls and their gathers. The CPU's vector ISA is
+printed beside the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.offline import make_workload
+from bench.weight_update import cpu_isa
+from engine import Engine, SamplingParams, resolve_model
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, hf_config, rank: int, seed: int) -> None:
+    """A PEFT LoRA adapter of every projection of `hf_config`'s layers (A and B random)."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, (c.num_key_value_heads or c.num_attention_heads) * head_dim
+    shapes = {  # module -> (in, out)
+        "self_attn.q_proj": (c.hidden_size, q),
+        "self_attn.k_proj": (c.hidden_size, kv),
+        "self_attn.v_proj": (c.hidden_size, kv),
+        "self_attn.o_proj": (q, c.hidden_size),
+        "mlp.gate_proj": (c.hidden_size, c.intermediate_size),
+        "mlp.up_proj": (c.hidden_size, c.intermediate_size),
+        "mlp.down_proj": (c.intermediate_size, c.hidden_size),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, lora_dropout=0.0)
+    config.update(target_modules=list(TARGETS), bias="none", base_model_name_or_path="smollm2-135m")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def run(model: str, wl, adapters: list[str], lora_paths: list[str] | None) -> tuple[float, float]:
+    """(output tok/s, mean decode step in ms over batches of 32-64 rows) of `wl`."""
+    engine = Engine(model, dtype="bfloat16", max_running_requests=len(wl.prompts), lora_paths=lora_paths)
+
+    async def main() -> tuple[float, float]:
+        async with engine:
+            warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            await engine.generate(wl.prompts[0][:16], warm, lora_path=adapters[0] if adapters else None)
+            await engine.flush_cache()
+            params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in wl.output_lens]
+            names = [adapters[i % len(adapters)] if adapters else None for i in range(len(wl.prompts))]
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(engine.generate(p, sp, lora_path=n) for p, sp, n in zip(wl.prompts, params, names))
+            )
+            elapsed = time.perf_counter() - t0
+            steps = [s for s in engine.recent_steps() if s.mode == "DECODE" and 32 <= s.batch_size <= 64]
+        tokens = sum(r.completion_tokens for r in results)
+        if tokens != sum(wl.output_lens):
+            raise RuntimeError("a request did not produce its length")
+        step_ms = statistics.fmean(1000 * (s.end - s.start) for s in steps) if steps else float("nan")
+        return tokens / elapsed, step_ms
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> dict[int, float]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="smollm2-135m")
+    ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    source = resolve_model(args.model_path)
+    wl = make_workload("W1", source.hf_config.vocab_size, args.seed)
+    print(f"model={args.model_path} bf16 isa={cpu_isa()} rank={args.rank} requests={len(wl.prompts)}")
+    base_tps, base_step = run(args.model_path, wl, [], None)
+    print(f"  base model       : {base_tps:7.1f} tok/s, decode step {base_step:6.2f} ms", flush=True)
+    ratios: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.adapters:
+            names = [f"a{i}" for i in range(n)]
+            for i, name in enumerate(names):
+                write_adapter(Path(tmp) / name, source.hf_config, args.rank, args.seed + i)
+            paths = [f"{name}={Path(tmp) / name}" for name in names]
+            tps, step = run(args.model_path, wl, names, paths)
+            ratios[n] = tps / base_tps
+            print(
+                f"  {n:2d} adapter(s)     : {tps:7.1f} tok/s, {ratios[n]:.2f}x base, decode step {step:6.2f} ms "
+                f"(LoRA +{step - base_step:.2f} ms)",
+                flush=True,
+            )
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
