@@ -78,6 +78,9 @@ run_step() {
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - t0))" >> "$STATUS"
 }
 
+# pytest without the plugins no gpu test uses (hypothesis, schemathesis, anyio, langsmith): importing
+# them costs seconds of every pytest start on a small machine. The dry run collects with the same set.
+PYTEST_LEAN="-p no:cacheprovider -p no:hypothesispytest -p no:schemathesis -p no:anyio -p no:langsmith_plugin"
 gpu_test_files() { echo "${GPU_CHECK_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')}"; }
 
 if [ $dry_run -eq 1 ]; then
@@ -85,7 +88,7 @@ if [ $dry_run -eq 1 ]; then
   for s in $steps; do
     case "$s" in
       env) run_step env 120 "$PY" -m bench.gpu_env ;;
-      tests) run_step tests 120 "$PY" -m pytest -q --collect-only -m gpu -p no:cacheprovider $(gpu_test_files) ;;
+      tests) run_step tests 120 "$PY" -m pytest -q --collect-only -m gpu $PYTEST_LEAN $(gpu_test_files) ;;
       parity) run_step parity 60 "$PY" -m bench.gpu_parity --help ;;
       soak) run_step soak 60 "$PY" -m bench.soak --help ;;
       bench) run_step bench 60 "$PY" -m bench.gpu --help ;;
@@ -97,7 +100,7 @@ else
       env) run_step env 60 "$PY" -m bench.gpu_env ;;
       tests)
         # shellcheck disable=SC2046,SC2086
-        run_step tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
+        run_step tests 240 "$PY" -m pytest -q -m gpu $PYTEST_LEAN -o addopts="-ra" \
           --junitxml="$OUT/pytest_gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-} $(gpu_test_files) ;;
       parity) run_step parity 150 "$PY" -m bench.gpu_parity --device cuda --json "$OUT/parity.json" ;;
       soak)

@@ -12,7 +12,8 @@ them apart is here, as plain switches read from the config:
 - Mistral (and Phi-3, Qwen2 with `use_sliding_window`): sliding-window attention per layer;
 - Gemma 2/3: sandwich norms scaling by `1 + weight`, GeGLU, the embedding scaled by
   sqrt(hidden), `query_pre_attn_scalar`, local/global layers; Gemma 2's attention and final logit
-  soft-caps; Gemma 3's per-head q/k norm and RoPE per layer type.
+  soft-caps; Gemma 3's per-head q/k norm and RoPE per layer type;
+- Qwen3-MoE, Mixtral: a mixture-of-experts MLP on some or all layers (engine/layers/moe.py).
 
 One limit keeps outputs exact where RoPE would otherwise differ from transformers': a longrope
 scaling whose long factors differ from its short ones bounds the context length (`_context_len`).
@@ -76,6 +77,16 @@ class ModelConfig:
     embedding_scale_in_dtype: bool = False
     # Gemma 3: RoPE parameters per layer type (`rope_parameters[type]`); () = one RoPE for all layers
     rope_layer_types: tuple[str, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral; engine/layers/moe.py): 0 experts = a dense model.
+    # `moe_layers` are the layers whose MLP is the experts (Qwen3-MoE: `decoder_sparse_step` and
+    # `mlp_only_layers` leave some dense; Mixtral: all); `norm_topk_prob` renormalises the top-k
+    # routing weights; `moe_fp32_weights` (Mixtral) keeps them fp32 where Qwen3-MoE casts them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+    moe_fp32_weights: bool = False
 
     @property
     def max_window(self) -> int:
@@ -134,10 +145,40 @@ class ModelConfig:
         )
         if architecture in GEMMA_ARCHITECTURES:
             fields.update(_gemma_fields(c, architecture))
+        if architecture in MOE_ARCHITECTURES:
+            fields.update(_moe_fields(c, architecture))
         return cls(**fields)
 
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _moe_fields(c, architecture: str) -> dict:
+    """Qwen3-MoE (`Qwen3MoeDecoderLayer`: layer i is sparse unless listed in `mlp_only_layers`,
+    when `(i + 1) % decoder_sparse_step == 0`; Qwen3's per-head q/k norm) and Mixtral (every layer
+    sparse, `intermediate_size` is each expert's width, the top-k always renormalised and kept fp32)."""
+    if architecture == "MixtralForCausalLM":
+        return dict(
+            num_experts=c.num_local_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            moe_intermediate_size=c.intermediate_size,
+            moe_layers=tuple(range(c.num_hidden_layers)),
+            norm_topk_prob=True,
+            moe_fp32_weights=True,
+        )
+    step, dense = getattr(c, "decoder_sparse_step", 1) or 1, set(getattr(c, "mlp_only_layers", None) or ())
+    sparse = tuple(i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        moe_layers=sparse if c.num_experts > 0 else (),
+        norm_topk_prob=bool(c.norm_topk_prob),
+        qk_norm=QK_NORM_HEAD,
+    )
 
 
 def _layer_windows(c) -> tuple[int, ...]:

@@ -12,7 +12,6 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from engine import GRAMMAR_BACKENDS
 from server.arg_types import (
     chunk_size,
     device,
@@ -27,9 +26,11 @@ from server.config import ServerConfig
 from server.lora_args import add_lora_args, lora_engine_options
 from server.reasoning import REASONING_PARSERS
 
-# Mirrors engine.server_args.SCHEDULE_POLICIES and POOLING_METHODS (importing it would import torch).
+# Mirror engine.server_args.SCHEDULE_POLICIES, POOLING_METHODS and GRAMMAR_BACKENDS (importing the
+# engine would import torch, seconds before `--help` could answer).
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random")
 POOLING_METHODS = ("last", "mean", "cls")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 # SGLang's dtype spellings; the engine knows the canonical ones.
 DTYPES = {
     "auto": "auto",

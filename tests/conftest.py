@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -12,6 +15,24 @@ import torch
 import uvloop
 
 torch.set_num_threads(1)
+
+
+def _suite_gguf_cache() -> str:
+    """The GGUF config/tokenizer cache (engine/models/gguf_cache.py) of the test runs, inherited by
+    the servers they start: the suite writes many throwaway GGUFs, whose entries must not pile up in
+    the user's ~/.cache, while the default model's entries outlive a run (seconds saved in every
+    process that starts an engine). Entries older than a day are dropped at each session start."""
+    root = Path(__file__).resolve().parents[1] / ".pytest_cache" / "asyncllm-gguf"
+    for entry in root.glob("*/*"):
+        try:
+            if time.time() - entry.stat().st_mtime > 86400:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:  # removed by a run beside this one
+            pass
+    return str(root)
+
+
+os.environ.setdefault("ASYNCLLM_GGUF_CACHE", _suite_gguf_cache())
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -356,11 +356,11 @@ def test_shard_index_names_missing_shard(llama_folder):
 def test_unsupported_architecture(llama_folder):
     cfg_file = llama_folder / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError) as e:
         resolve_model(str(llama_folder))
-    assert "MistralForCausalLM" in str(e.value)
+    assert "GPT2LMHeadModel" in str(e.value)
     assert all(arch in str(e.value) for arch in SUPPORTED_ARCHITECTURES)
 
 

@@ -92,3 +92,26 @@ async def test_engine_start_raises_before_allocating(tiny_model_dir):
     with pytest.raises(InvalidServerArgsError, match="too few for one request"):
         await engine.start()
     assert not engine.healthy
+
+
+def test_the_command_line_answers_before_importing_the_engine():
+    """`--help` and a bad flag are answered from argparse alone: torch, transformers and the engine
+    are imported only once the flags parse (seconds on a small machine)."""
+    code = (
+        "import sys\nfrom server.launch import main\n"
+        "for argv in (['--help'], ['--no-such-flag']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        print('exit', e.code)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'engine', 'numpy') if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.stdout.splitlines()[-3:] == ["exit 0", "exit 2", "[]"], res.stdout[-500:] + res.stderr[-2000:]
+    assert "usage: python -m server" in res.stdout and "--no-such-flag" in res.stderr
+
+
+def test_the_command_lines_choices_mirror_the_engines():
+    from engine.layers.attention_backend import ATTENTION_BACKENDS
+    from engine.server_args import GRAMMAR_BACKENDS, POOLING_METHODS, SCHEDULE_POLICIES
+    from server import cli
+
+    assert cli.SCHEDULE_POLICIES == SCHEDULE_POLICIES and cli.POOLING_METHODS == POOLING_METHODS
+    assert cli.GRAMMAR_BACKENDS == GRAMMAR_BACKENDS and cli.ATTENTION_BACKENDS == ATTENTION_BACKENDS

@@ -7,6 +7,8 @@
   an all-reduce; a bias is added once (rank 0 loads it, the others hold zeros).
 - Vocab-parallel: the embedding and the LM head hold `ceil(V/N)` vocabulary rows each (the last
   shard padded with zero rows); the lookup is masked and all-reduced, the logits gathered.
+- Mixture of experts: each expert's gate/up rows and down columns are split as the MLP's (every
+  rank holds its slice of every expert); the router is replicated.
 - Everything else (norms, q/k norms) is replicated.
 
 `weight_slice` tells the loader which slice of a checkpoint tensor to read, so a rank reads its
@@ -15,6 +17,7 @@ shard only (safetensors `get_slice`) instead of loading every weight and cutting
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.errors import InvalidServerArgsError
@@ -28,6 +31,10 @@ _COLUMN_KV = ("self_attn.k_proj", "self_attn.v_proj")
 _COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
 _ROW_ATTN = "self_attn.o_proj"
 _ROW_MLP = "mlp.down_proj"
+# an expert's projection inside a layer, as Qwen3-MoE and Mixtral checkpoints name them
+# (`mlp.experts.<e>.gate_proj`, `block_sparse_moe.experts.<e>.w1`): module -> column (True) or row
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)")
+_EXPERT_COLUMN = ("gate_proj", "up_proj", "w1", "w3")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # checkpoint names split by vocabulary row
 
 
@@ -40,6 +47,8 @@ def check_tp_size(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} KV heads (a multiple or a divisor of the size is needed)")
     if cfg.intermediate_size % size:
         problems.append(f"an MLP width of {cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % size:
+        problems.append(f"an expert width of {cfg.moe_intermediate_size}")
     if problems:
         raise InvalidServerArgsError(f"tp_size {size} does not divide the model's {' and '.join(problems)}", "tp_size")
 
@@ -59,6 +68,7 @@ class TPShard:
     vocab_size: int  # the whole vocabulary
     vocab_rows: int  # rows of this rank's embedding / LM head shard (ceil(V / size), padded)
     vocab_start: int
+    moe_intermediate_size: int = 0  # each expert's columns on this rank (0: a dense model)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPShard:
@@ -78,6 +88,7 @@ class TPShard:
             vocab_size=cfg.vocab_size,
             vocab_rows=rows,
             vocab_start=rank * rows,
+            moe_intermediate_size=cfg.moe_intermediate_size // size,
         )
 
     @property
@@ -95,6 +106,10 @@ class TPShard:
             return None
         module, _, kind = hf_name.split(".", 3)[3].rpartition(".")
         d = self.head_dim
+        expert = _EXPERT.fullmatch(module)
+        if expert is not None and kind == "weight":
+            first = self.rank * self.moe_intermediate_size
+            return (0 if expert.group(1) in _EXPERT_COLUMN else 1), first, first + self.moe_intermediate_size
         if module in _COLUMN_Q:
             return 0, self.q_head_start * d, (self.q_head_start + self.num_heads) * d
         if module in _COLUMN_KV:

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from engine.distributed.sharding import TPShard
+from engine.errors import InvalidServerArgsError
 from engine.lora import (
     BASE_SLOT,
     LoRAAdapter,
@@ -112,6 +113,17 @@ class LoRAManager:
             rank,
             ",".join(sorted(self.pool.target_modules)),
         )
+
+    @staticmethod
+    def check_model(args: ServerArgs, cfg: ModelConfig) -> None:
+        """Refuse LoRA on a model it cannot adapt, before anything is loaded: the adapters' deltas are
+        added to the dense projections only, and a mixture-of-experts MLP (Qwen3-MoE, Mixtral) has
+        per-expert ones that no pool buffer covers (an adapter of them would be silently dropped)."""
+        if args.enable_lora and cfg.moe_layers:
+            raise InvalidServerArgsError(
+                f"enable_lora: LoRA adapters on mixture-of-experts models ({cfg.architecture}) are not supported yet",
+                "enable_lora",
+            )
 
     @classmethod
     def build(cls, args: ServerArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard):

@@ -26,7 +26,7 @@ import torch
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
-from engine.errors import ModelLoadError
+from engine.errors import InvalidServerArgsError, ModelLoadError
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
@@ -135,14 +135,21 @@ class ModelRunner(RunnerWeights):
             self.source.hf_config, self.source.architecture, self.source.generation_eos
         )
         self.context_len = args.check_context_length(cfg.context_len)
+        LoRAManager.check_model(args, cfg)
+        if deterministic and cfg.moe_layers:  # an expert's GEMM rows depend on the batch's routing
+            raise InvalidServerArgsError(
+                "enable_deterministic_inference is not supported on mixture-of-experts models yet",
+                "enable_deterministic_inference",
+            )
         self.attn_backend_name = resolve_attention_backend(
             args.attention_backend, self.device, self.dtype, cfg.head_dim
         )
         # A windowed or soft-capped model's attention partly runs in torch ops that re-plan per
-        # forward (attention_window.py): no graph can capture that.
+        # forward (attention_window.py): no graph can capture that. Nor a MoE layer's loop over the
+        # experts that have tokens (engine/layers/moe.py reads the group sizes on the host).
         self.use_cuda_graph = (
             self.tp.size == 1
-            and not (cfg.layer_windows or cfg.attn_logit_softcap is not None)
+            and not (cfg.layer_windows or cfg.attn_logit_softcap is not None or cfg.moe_layers)
             and cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
         )
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)

@@ -8,6 +8,9 @@
   rule gives (`TPShard.weight_slice`): its q heads, its KV heads, its MLP columns.
 - OLMo 2's `q_norm`/`k_norm` weights span all heads (`[H * D]`, `[KVH * D]`): a rank keeps the
   slice of its heads (the norm's statistics are all-reduced, engine/layers/qk_norm.py).
+- Mixtral names its MoE block `block_sparse_moe` and its experts' projections `w1` (gate), `w3`
+  (up), `w2` (down): renamed to Qwen3-MoE's `mlp.gate`, `mlp.experts.<e>.{gate,up,down}_proj`
+  (already sliced per rank: the sharding rules know both names).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ WeightItem = tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def llama_layout(weights: Iterable[WeightItem], cfg: ModelConfig, shard: TPShard) -> Iterator[WeightItem]:
@@ -45,6 +49,8 @@ def llama_layout(weights: Iterable[WeightItem], cfg: ModelConfig, shard: TPShard
         elif whole_norm and local in ("self_attn.q_norm", "self_attn.k_norm") and kind == "weight":
             first, rows = q_rows if local == "self_attn.q_norm" else kv_rows
             yield name, tensor.narrow(0, first, rows), blocks
+        elif local.startswith("block_sparse_moe."):
+            yield f"{prefix}.{_mixtral_renamed(local)}.{kind}", tensor, blocks
         else:
             yield name, tensor, blocks
 
@@ -63,3 +69,11 @@ def _split(
             dim, start, stop = select
             part = part.narrow(dim, start, stop - start)
         yield part_name, part, None
+
+
+def _mixtral_renamed(local: str) -> str:
+    """`block_sparse_moe.gate` -> `mlp.gate`; `block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`."""
+    parts = local.split(".")[1:]
+    if len(parts) == 3 and parts[0] == "experts" and parts[2] in _MIXTRAL_EXPERT:
+        parts[2] = _MIXTRAL_EXPERT[parts[2]]
+    return ".".join(["mlp", *parts])

@@ -15,6 +15,8 @@ Attention and MLP are shared: q|k|v and gate|up are each one fused projection (f
 launches), attention goes through the ForwardBatch's backend over the paged KV pool. A forward
 with LoRA rows (`fb.lora`, engine/lora/) adds each adapter's delta to the four projections'
 outputs in place, before the row-parallel all-reduce; without, the code run is unchanged.
+A mixture-of-experts layer (Qwen3-MoE, Mixtral: `cfg.moe_layers`) has `FusedMoE` (engine/layers/moe.py)
+as its MLP instead of `LlamaMLP`, chosen per layer by `make_mlp`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
 from engine.layers.activation import get_act_and_mul
 from engine.layers.linear import DenseLinear
+from engine.layers.moe import FusedMoE
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.layers.qk_norm import QKNorm, WholeQKNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -100,6 +103,18 @@ class LlamaMLP(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
+def make_mlp(
+    cfg: ModelConfig, layer_id: int, tp: TPGroup, shard: TPShard, device: torch.device, dtype: torch.dtype
+) -> LlamaMLP | FusedMoE:
+    """Layer `layer_id`'s MLP: the experts on a sparse layer of a MoE model, else the dense one."""
+    if layer_id not in cfg.moe_layers:
+        return LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
+    return FusedMoE(
+        cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, shard.moe_intermediate_size, cfg.hidden_act,
+        cfg.norm_topk_prob, cfg.moe_fp32_weights, tp, device, dtype,
+    )  # fmt: skip
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, tp: TPGroup, shard: TPShard):
         super().__init__()
@@ -107,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
+        self.mlp = make_mlp(cfg, layer_id, tp, shard, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """`x` is this forward's own residual stream (the embedding output or a layer's sum): the
@@ -143,7 +158,7 @@ class Olmo2DecoderLayer(nn.Module):
         eps, fp32_weight = cfg.rms_norm_eps, cfg.norm_weight_before_cast
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, device, dtype, fp32_weight)
-        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
+        self.mlp = make_mlp(cfg, layer_id, tp, shard, device, dtype)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, device, dtype, fp32_weight)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -166,7 +181,7 @@ class SandwichDecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
-        self.mlp = LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
+        self.mlp = make_mlp(cfg, layer_id, tp, shard, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, fb))

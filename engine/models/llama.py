@@ -1,7 +1,8 @@
 """Native Llama-family decoder: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
 Granite (multipliers), OLMo 2 (post-norms, whole q/k RMSNorm), Phi-3 (fused checkpoint
 tensors, partial rotary, longrope), Mistral (sliding window) and Gemma 2/3 (sandwich norms,
-soft-caps, local/global layers, RoPE per layer type).
+soft-caps, local/global layers, RoPE per layer type), Qwen3-MoE and Mixtral (mixture-of-experts
+MLPs, engine/layers/moe.py: each expert's checkpoint tensors fill its rows of the stacked weights).
 
 One implementation for all: what tells the families apart is in ModelConfig, and each switch
 picks a module at construction (the decoder layer's shape: decoder_layers.py; the q/k norm:
@@ -21,6 +22,7 @@ Every implementation choice is made before the first forward, never inside one:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -35,6 +37,7 @@ from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import measure_int4_crossover
 from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, RowTiles, finalize_linear
+from engine.layers.moe import FusedMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
@@ -66,6 +69,10 @@ _LAYER_PARAMS = {
 _GLOBAL_PARAMS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
 
 PARAM, PART, SKIP, UNKNOWN = "param", "part", "skip", "unknown"
+EXPERT = "expert"  # expert `part`'s projection `attr` of the FusedMoE at `path`
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# a MoE layer's expert tensor (Mixtral's names are renamed to these by `llama_layout`)
+_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class WeightTarget(NamedTuple):
@@ -127,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         self.llama_layers = (
             layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE and cfg.attn_logit_softcap is None
         )
+        if cfg.moe_layers:  # nor a mixture-of-experts MLP: the loop runs dense MLPs only
+            self.llama_layers = False
         # deterministic inference: the GEMM row count of this forward's mode (linear.py)
         self.row_tiles: RowTiles | None = None
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)
@@ -203,6 +212,11 @@ class LlamaForCausalLM(nn.Module):
             if target.kind == PARAM:
                 self._copy(params[target.path], tensor, name)
                 seen.add((target.path, 0))
+            elif target.kind == EXPERT:
+                moe = self.get_submodule(target.path)
+                assert isinstance(moe, FusedMoE)
+                self._copy(moe.expert_weight(target.part, target.attr), tensor, name)
+                seen.add((f"{target.path}.experts.{target.attr}", target.part))
             elif target.kind == PART:
                 self._load_part(target.path, target.attr, target.part, tensor, name)
                 seen.add((f"{target.path}.{target.attr}", target.part))
@@ -236,6 +250,11 @@ class LlamaForCausalLM(nn.Module):
             elif module in _PROJECTIONS and kind in ("weight", "bias"):
                 path, part = _PROJECTIONS[module]
                 return WeightTarget(PART, prefix + path, part, kind)
+            elif rest == "mlp.gate.weight" and prefix + "mlp.gate" in self._param_names:
+                return WeightTarget(PARAM, prefix + "mlp.gate")  # a MoE layer's router
+            elif (expert := _EXPERT_WEIGHT.fullmatch(rest)) and prefix + "mlp.w13" in self._param_names:
+                if int(expert[1]) < self.cfg.num_experts:
+                    return WeightTarget(EXPERT, prefix + "mlp", int(expert[1]), expert[2])
             elif "rotary_emb" in rest:
                 return WeightTarget(SKIP)
         raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
@@ -275,6 +294,10 @@ class LlamaForCausalLM(nn.Module):
         parts: set[tuple[str, int]] = set()
         for module_name, module in self.named_modules():
             if module_name == "lm_head" and self.cfg.tie_word_embeddings:
+                continue
+            if isinstance(module, FusedMoE):  # the router, and each expert's three projections
+                parts.add((f"{module_name}.gate", 0))
+                parts |= {(f"{module_name}.experts.{p}", e) for p in EXPERT_PROJS for e in range(module.num_experts)}
                 continue
             n = len(module.output_sizes) if isinstance(module, DenseLinear) else 1
             for kind, _ in module.named_parameters(recurse=False):
@@ -341,4 +364,6 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }

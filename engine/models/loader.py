@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
 from engine.layers.q8 import Q8Blocks
+from engine.models.gguf_cache import load_gguf_config, load_gguf_tokenizer
 from engine.models.gguf_weights import (
     GGUFIndex,
     gguf_to_hf_name,
@@ -48,6 +49,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 # transformers model_type -> architecture
 _MODEL_TYPE_TO_ARCH = {
@@ -60,6 +63,8 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
 # and their layouts (engine/models/gguf_weights.py) are mapped for these only
@@ -93,6 +98,7 @@ class ModelSource:
 
         Cached per process (keyed by the files and their modification times): building a GGUF's
         tokenizer takes seconds, and engines restarted in one process (tests, notebooks) reuse it.
+        A GGUF's converted tokenizer is also kept on disk for later processes (gguf_cache.py).
         """
         marker = self.gguf_file if self.gguf_file is not None else self.path
         return _load_tokenizer(str(self.path), self.gguf_file and str(self.gguf_file), marker.stat().st_mtime_ns)
@@ -137,8 +143,7 @@ class ModelSource:
 def _load_tokenizer(path: str, gguf_file: str | None, mtime_ns: int) -> PreTrainedTokenizerBase:
     try:
         if gguf_file is not None:
-            gguf = Path(gguf_file)
-            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            return load_gguf_tokenizer(Path(gguf_file))
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError depending on what is missing
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
@@ -222,7 +227,8 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
 
 
 def _resolve_gguf(path: Path) -> ModelSource:
-    index = read_gguf_index(path)  # validates the whole header cheaply before transformers parses it
+    st = path.stat()
+    index = _gguf_index(str(path), st.st_size, st.st_mtime_ns)
     if index.architecture not in GGUF_ARCHITECTURES:
         raise _unsupported(index.architecture or "<none>", path, gguf=True)
     try:  # an unknown tensor means a model we only half understand: refuse it now, not mid-load
@@ -230,14 +236,21 @@ def _resolve_gguf(path: Path) -> ModelSource:
             gguf_to_hf_name(info.name)
     except ValueError as e:
         raise ModelLoadError(f"GGUF file {path}: {e}") from None
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:  # a copy of the cached config per call: _apply_gguf_head_dim (and callers) may change it
+        hf_config = load_gguf_config(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read the config of GGUF file {path}: {e}") from e
     # transformers may reinterpret the file (a llama-architecture GGUF named "mistral" -> mistral).
     architecture = _architecture(None, hf_config.model_type, path)
     _apply_gguf_head_dim(hf_config, index)
     return ModelSource(path, path, hf_config, architecture, (), index)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
+    """The header (validated against the whole file before transformers parses it), read once per
+    process for each version of the file (size, mtime_ns): engines restarted in one process reuse it."""
+    return read_gguf_index(Path(path))
 
 
 def _apply_gguf_head_dim(hf_config: PretrainedConfig, index: GGUFIndex) -> None:

@@ -10,8 +10,10 @@ new value cannot simply be copied in: each projection a tensor touches is rebuil
 weight (recovered exactly from whatever form it runs as, `dense_weight`), with the given parts
 overwritten, and finalized again. An updated projection runs dense (prepacked where that applies):
 new values come without 4-bit blocks, and quantizing a trainer's weights would serve other
-numbers than the trainer's. A whole new checkpoint on disk is loaded as a new model instead
-(`ModelRunner.update_weights_from_disk`), which keeps a GGUF's quantized forms.
+numbers than the trainer's. A MoE layer's expert tensors (engine/layers/moe.py) run from their
+stacked weights as they are: each is staged whole and copied into its rows. A whole new
+checkpoint on disk is loaded as a new model instead (`ModelRunner.update_weights_from_disk`),
+which keeps a GGUF's quantized forms.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from torch import nn
 from engine.distributed.sharding import VOCAB_PARALLEL
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.layers.linear import BatchInvariantLinear, DenseLinear, Linear, dense_weight, finalize_linear
+from engine.layers.moe import FusedMoE
 from engine.model_config import ModelConfig
 from engine.models.checkpoint_parts import WeightItem, llama_layout
-from engine.models.llama import PARAM, PART, SKIP, UNKNOWN, LlamaForCausalLM
+from engine.models.llama import EXPERT, PARAM, PART, SKIP, UNKNOWN, LlamaForCausalLM
 
 # ModelConfig fields a new checkpoint may change: everything else fixes shapes or numerics the
 # running model was built for (the KV pool, the kernels, the rotary tables).
@@ -59,6 +62,7 @@ class StagedWeights:
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    experts: dict[tuple[str, int, str], torch.Tensor] = field(default_factory=dict)  # (MoE path, expert, proj)
     num_tensors: int = 0
 
 
@@ -85,6 +89,12 @@ def stage_tensor_update(
             _check_shape(name, tensor, tuple(params[target.path].shape))
             staged.params[target.path] = tensor
             continue
+        if target.kind == EXPERT:
+            moe = model.get_submodule(target.path)
+            assert isinstance(moe, FusedMoE)
+            _check_shape(name, tensor, tuple(moe.expert_weight(target.part, target.attr).shape))
+            staged.experts[(target.path, target.part, target.attr)] = tensor
+            continue
         assert target.kind == PART
         linear = model.get_submodule(target.path)
         rows = linear.output_sizes[target.part]
@@ -110,6 +120,10 @@ def apply_staged(model: LlamaForCausalLM, staged: StagedWeights) -> None:
     with torch.no_grad():
         for path, value in staged.params.items():
             params[path].copy_(value)
+        for (path, expert, proj), value in staged.experts.items():
+            moe = model.get_submodule(path)
+            assert isinstance(moe, FusedMoE)
+            moe.expert_weight(expert, proj).copy_(value)
     for path, module in staged.modules.items():
         model.set_submodule(path, module)
     head = model.lm_head

@@ -1,0 +1,107 @@
+"""Mixture-of-experts MLP (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`, Mixtral's `MixtralSparseMoeBlock`):
+a router picks `top_k` of `num_experts` gated MLPs per token and sums their outputs, weighted.
+
+`FusedMoE` (SGLang's name) holds every expert's weights stacked, in the model dtype: `w13`
+`[E, 2I, H]` (gate rows, then up rows: one GEMM per expert, as `LlamaMLP`'s fused gate|up) and
+`w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. Experts are dense only: no oneDNN-prepacked
+or int4 form yet (`process_weights_after_loading` finalizes `DenseLinear` modules, which these
+are not), and no expert parallelism.
+
+Routing follows transformers' op order exactly (fp32 greedy tokens are compared token for token):
+router logits in the model dtype -> softmax in fp32 -> top-k -> divided by their sum when
+`renormalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always) -> cast to the model dtype
+(Qwen3-MoE), or kept fp32 so each expert's output is scaled in fp32 and then cast (Mixtral:
+`fp32_weights`). The experts run grouped: the (token, choice) pairs are sorted by expert id, so
+each expert with tokens runs its gate|up GEMM, the activation and its down GEMM once, over its
+contiguous group; the scaled outputs are `index_add_`-ed into the result in ascending expert
+order (transformers' summation order).
+
+Under tensor parallelism each rank holds its slice of every expert's intermediate columns (its
+rows of gate and of up, its columns of down): its output is a partial sum, all-reduced as
+`LlamaMLP`'s. The router is replicated, so every rank routes every token alike. The per-expert
+loop reads the group sizes on the host: no CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import TPGroup
+from engine.layers.activation import get_act_and_mul
+
+
+class FusedMoE(nn.Module):
+    """This rank's slice of every expert (see the module docstring)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,  # this rank's columns of each expert
+        hidden_act: str,
+        renormalize: bool,
+        fp32_weights: bool,
+        tp: TPGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
+        self.renormalize, self.fp32_weights = renormalize, fp32_weights
+        self.tp = tp
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+        self.gate = param(num_experts, hidden_size)
+        self.w13 = param(num_experts, 2 * intermediate_size, hidden_size)
+        self.w2 = param(num_experts, hidden_size, intermediate_size)
+        self.act_fn = get_act_and_mul(hidden_act, intermediate_size, device, dtype)
+
+    def expert_weight(self, expert: int, proj: str) -> torch.Tensor:
+        """The part of `w13`/`w2` that checkpoint tensor `experts.<expert>.<proj>.weight` fills
+        (a view; `proj` is `gate_proj`, `up_proj` or `down_proj`)."""
+        i = self.intermediate_size
+        if proj == "gate_proj":
+            return self.w13.data[expert, :i]
+        if proj == "up_proj":
+            return self.w13.data[expert, i:]
+        return self.w2.data[expert]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's routing weights and expert ids, `[T, top_k]` each (transformers' router)."""
+        logits = F.linear(x, self.gate)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.fp32_weights else weights.to(logits.dtype)), ids
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts of `weight * expert(x)`, tokens grouped by expert."""
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs, grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        scale = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]
+            h = self.act_fn(F.linear(x[rows], self.w13[expert]))
+            y = F.linear(h, self.w2[expert]) * scale[start : start + n]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += n
+        return out
+
+    def forward(self, x: torch.Tensor, fb: object = None) -> torch.Tensor:
+        """`fb` is the ForwardBatch `LlamaMLP` takes; unused (LoRA on MoE models is refused)."""
+        weights, ids = self.route(x)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
