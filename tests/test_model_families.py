@@ -148,9 +148,10 @@ def run_scheduler(sched: SyncScheduler) -> tuple[list, list[int], object]:
     return reqs, [*batch, joiner, reuser], scored["score"]
 
 
-def test_greedy_tokens_and_logprobs_equal_transformers(family):
-    name, folder, hf = family
-    runner = ModelRunner(family_args(folder))
+def assert_scheduler_matches_transformers(runner: ModelRunner, hf, name: str) -> None:
+    """`run_scheduler` on `runner`: every request's greedy tokens are transformers' `generate`'s,
+    the last prompt's prefix came from the radix cache, and the scored prompt's log-probs are
+    transformers' within 1e-4."""
     reqs, prompts, score = run_scheduler(SyncScheduler(runner, runner.args))
     for i, (req, prompt) in enumerate(zip(reqs, prompts)):
         assert req.output_ids == hf_greedy(hf, prompt), f"{name}: prompt {i} ({len(prompt)} tokens)"
@@ -160,6 +161,24 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family):
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)[:-1]
         ref = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert len(score.values) == len(ids) and score.values[1:] == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def assert_tp2_matches_transformers(folder: str, hf) -> None:
+    """`run_scheduler` under `--tp-size 2` on `folder`: greedy tokens equal transformers'."""
+    args = family_args(folder, tp_size=2, torch_threads=1)
+    driver = TPDriver(args)
+    try:
+        runner = driver.load()
+        reqs, prompts, _ = run_scheduler(SyncScheduler(runner, args))
+    finally:
+        driver.stop(healthy=True)
+    assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(family):
+    name, folder, hf = family
+    runner = ModelRunner(family_args(folder))
+    assert_scheduler_matches_transformers(runner, hf, name)
     if name.startswith("phi3-longrope"):  # served within the short factors' range, exactly
         assert runner.context_len == 128
         with pytest.raises(ContextLengthExceededError):
@@ -172,15 +191,7 @@ TP_FAMILIES = ["phi3-partial-rotary", "olmo2"]
 @pytest.mark.parametrize("name", TP_FAMILIES)
 def test_tp2_greedy_tokens_equal_transformers(name, tmp_path):
     cfg, init = FAMILIES[name]
-    hf = save_random_model(cfg(), init, tmp_path)
-    args = family_args(str(tmp_path), tp_size=2, torch_threads=1)
-    driver = TPDriver(args)
-    try:
-        runner = driver.load()
-        reqs, prompts, _ = run_scheduler(SyncScheduler(runner, args))
-    finally:
-        driver.stop(healthy=True)
-    assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
+    assert_tp2_matches_transformers(str(tmp_path), save_random_model(cfg(), init, tmp_path))
 
 
 # bf16: head size 64 and widths the fused kernels take, so only the layer shape decides the loop

@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from engine import SyncScheduler
-from engine.distributed.driver import TPDriver
 from engine.distributed.parallel_state import TPGroup
 from engine.errors import InvalidServerArgsError, ModelLoadError
 from engine.layers.moe import FusedMoE
@@ -31,9 +30,10 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.test_model_families import (
     COMMON,
+    assert_scheduler_matches_transformers,
+    assert_tp2_matches_transformers,
     family_args,
     hf_greedy,
-    run_scheduler,
     save_random_model,
 )
 
@@ -71,15 +71,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family):
     runner = ModelRunner(family_args(folder))
     assert not runner.model.llama_layers and runner.model.fused_decode is None  # the C++ loop has no experts
     assert any(isinstance(m, FusedMoE) for m in runner.model.modules())
-    reqs, prompts, score = run_scheduler(SyncScheduler(runner, runner.args))
-    for i, (req, prompt) in enumerate(zip(reqs, prompts)):
-        assert req.output_ids == hf_greedy(hf, prompt), f"{name}: prompt {i} ({len(prompt)} tokens)"
-    assert reqs[-1].cached_tokens >= 32  # the radix cache served the shared prefix
-    with torch.no_grad():
-        ids = prompts[1]
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)[:-1]
-        ref = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert len(score.values) == len(ids) and score.values[1:] == pytest.approx(ref.tolist(), abs=1e-4)
+    assert_scheduler_matches_transformers(runner, hf, name)
 
 
 def test_config_switches():
@@ -173,11 +165,4 @@ def test_update_weights_from_tensor_takes_expert_tensors(tmp_path):
 
 def test_tp2_qwen3moe_greedy_tokens_equal_transformers(tmp_path):
     hf = save_random_model(FAMILIES["qwen3moe-dense-layer-tied"](), INIT, tmp_path)
-    args = family_args(str(tmp_path), tp_size=2, torch_threads=1)
-    driver = TPDriver(args)
-    try:
-        runner = driver.load()
-        reqs, prompts, _ = run_scheduler(SyncScheduler(runner, args))
-    finally:
-        driver.stop(healthy=True)
-    assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
+    assert_tp2_matches_transformers(str(tmp_path), hf)

@@ -21,15 +21,15 @@ from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Conf
 
 from bench.gpu_parity import teacher_forced
 from engine import SyncScheduler
-from engine.distributed.driver import TPDriver
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.test_model_families import (
     COMMON,
+    assert_scheduler_matches_transformers,
+    assert_tp2_matches_transformers,
     family_args,
     hf_greedy,
-    run_scheduler,
     save_random_model,
 )
 
@@ -83,15 +83,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family):
     name, folder, hf, backend = family
     runner = ModelRunner(family_args(folder, attention_backend=backend))
     assert isinstance(runner.attn_backend, WindowedAttnBackend)
-    reqs, prompts, score = run_scheduler(SyncScheduler(runner, runner.args))
-    for i, (req, prompt) in enumerate(zip(reqs, prompts)):
-        assert req.output_ids == hf_greedy(hf, prompt), f"{name}: prompt {i} ({len(prompt)} tokens)"
-    assert reqs[-1].cached_tokens >= 32  # the radix cache served the shared prefix
-    with torch.no_grad():
-        ids = prompts[1]
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)[:-1]
-        ref = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert len(score.values) == len(ids) and score.values[1:] == pytest.approx(ref.tolist(), abs=1e-4)
+    assert_scheduler_matches_transformers(runner, hf, name)
 
 
 def test_gemma_config_switches():
@@ -110,15 +102,7 @@ def test_gemma_config_switches():
 
 def test_tp2_gemma2_greedy_tokens_equal_transformers(tmp_path):
     cfg, init, _ = FAMILIES["gemma2-softcaps-tight"]
-    hf = save_random_model(cfg(), init, tmp_path)
-    args = family_args(str(tmp_path), tp_size=2, torch_threads=1)
-    driver = TPDriver(args)
-    try:
-        runner = driver.load()
-        reqs, prompts, _ = run_scheduler(SyncScheduler(runner, args))
-    finally:
-        driver.stop(healthy=True)
-    assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
+    assert_tp2_matches_transformers(str(tmp_path), save_random_model(cfg(), init, tmp_path))
 
 
 def test_speculative_verify_past_the_window_keeps_greedy_tokens(tmp_path):
