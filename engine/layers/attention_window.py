@@ -139,6 +139,7 @@ class WindowedAttnBackend:
         self.min_window = min((w for w in windows if w), default=0)
         self.plan: WindowPlan | None = None
         self.own_layers: frozenset[int] = frozenset()  # layers this forward runs through `plan`
+        self.binding: tuple[int, ...] = windows  # this forward's window per layer (GLOBAL where none binds)
 
     def binds(self, fb: ForwardBatch) -> bool:
         """Whether some sequence of this forward is longer than the smallest window."""
@@ -154,7 +155,8 @@ class WindowedAttnBackend:
             self.own_layers = frozenset()
         if len(self.own_layers) < len(self.windows):
             self.inner.init_forward_metadata(fb)
-        needed = {self.windows[i] if binds else GLOBAL for i in self.own_layers}
+        self.binding = self.windows if binds else (GLOBAL,) * len(self.windows)
+        needed = {self.binding[i] for i in self.own_layers}
         self.plan = WindowPlan(self.layout, self.softcap, needed, fb) if self.own_layers else None
 
     def forward(
@@ -165,5 +167,4 @@ class WindowedAttnBackend:
         pool: KVCache = fb.token_to_kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         assert self.plan is not None
-        window = self.windows[layer_id] if self.binds(fb) else GLOBAL
-        return self.plan.forward(q, layer_id, window)
+        return self.plan.forward(q, layer_id, self.binding[layer_id])
