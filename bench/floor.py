@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     context = args.prompt_len + args.output_len // 2  # the median step's context
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * runner.dtype.itemsize
     total = sum(weights.values()) + kv_bytes
-    # a forward of one token runs with one thread fewer than the forward thread's (the engine's
-    # StepThreads leave a core to the event loop)
-    step_threads = max(1, threads - 1)
+    # a forward of one token runs with the threads the engine measured for small forwards at
+    # start-up (StepThreads: all, or one fewer to leave a core to the event loop)
+    small = runner.step_threads.small if runner.step_threads is not None else None
+    step_threads = small if small is not None else threads
     bandwidth = read_bandwidth(step_threads)
     floor_s = total / bandwidth
     print(

@@ -2,7 +2,8 @@
 
 Same weights, dtype, thread count and machine for both sides; every request is greedy with EOS
 ignored, so each produces exactly its requested number of tokens and only those are counted.
-Prints output tokens/s of each method and our ratio to the best transformers method.
+Prints output tokens/s of each method and our ratio to the best transformers method, and to
+each peer engine asked for with `--peers`.
 
 Workloads (token ids drawn with `--seed`, default 0, from the model's vocabulary):
 
@@ -24,139 +25,43 @@ transformers methods (the baselines a user already has):
 
 W2 also runs our engine with the radix cache disabled (`ours-noradix`), the prefix-reuse ratio.
 
+Peers (`--peers`, the engines a user would pick instead; same prompt ids, greedy, EOS ignored):
+
+    vllm      vLLM's CPU backend (bench/peer_vllm.py), in its own venv, installed on first use; a
+              GGUF is dequantized into a bf16 Hugging Face folder for it. Two rows: `vllm` is its
+              first pass of the workload, `vllm-steady` the best of passes 2..`--peer-rounds`
+    llama     llama.cpp's `llama-server` (bench/peer.py; `--llama-server PATH`, a GGUF model)
+
     python -m bench.offline                                 # everything (several minutes)
     python -m bench.offline --workloads W3 single --hf-methods static
     python -m bench.offline --workloads family --hf-methods static16 cb   # the mixed family
     python -m bench.offline --output-file offline.json
+    python -m bench.offline --workloads W3 --hf-methods --peers vllm llama --llama-server ./llama-server
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-import uvloop
 
-from engine import Engine, ModelSource, SamplingParams, default_torch_threads, resolve_model
+from bench.peer import run_peer
+from bench.peer_vllm import VllmEnvError, ensure_vllm_env, hf_folder_for, run_vllm
+from bench.workloads import FAMILY, Result, Workload, family_shape, make_workload, run_ours
+from engine import ModelSource, default_torch_threads, resolve_model
 
 HF_METHODS = ("static", "static16", "cb")
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    # Skip the first ids: SmolLM2 keeps its special tokens there.
-    return [rng.randrange(100, vocab) for _ in range(n)]
-
-
-FAMILY = tuple(f"M{i}" for i in range(6))
-
-
-def family_shape(index: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """Member `index` of the mixed family: (requests, prompt length range, output length range).
-    M0 is the shape a user tried; the others come from their own seeds, fixed across runs."""
-    if index == 0:
-        return 32, (64, 384), (32, 160)
-    rng = random.Random(1000 + index)
-    prompt_lo, output_lo = rng.choice((16, 32, 64, 128)), rng.choice((8, 16, 32, 64))
-    prompt = (prompt_lo, prompt_lo * rng.choice((2, 4, 8)))
-    output = (output_lo, output_lo * rng.choice((2, 4, 8)))
-    return rng.choice((16, 32, 64, 128)), prompt, output
-
-
-def make_workload(name: str, vocab: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-    if name in FAMILY:
-        n, (p_lo, p_hi), (o_lo, o_hi) = family_shape(FAMILY.index(name))
-        prompts = [_ids(rng, rng.randint(p_lo, p_hi), vocab) for _ in range(n)]
-        return Workload(name, prompts, [rng.randint(o_lo, o_hi) for _ in range(n)])
-    if name == "W1":
-        prompts = [_ids(rng, rng.randint(64, 512), vocab) for _ in range(64)]
-        return Workload(name, prompts, [rng.randint(32, 256) for _ in range(64)])
-    if name == "W2":
-        prompts = []
-        for _ in range(8):
-            prefix = _ids(rng, 512, vocab)
-            prompts += [prefix + _ids(rng, 64, vocab) for _ in range(8)]
-        return Workload(name, prompts, [64] * len(prompts))
-    if name == "W3":
-        return Workload(name, [_ids(rng, 32, vocab) for _ in range(32)], [256] * 32)
-    if name == "single":
-        return Workload(name, [_ids(rng, 32, vocab)], [128])
-    if name == "single200":  # issue 17's end-to-end single-stream shape (200-token prompt, 256 out)
-        return Workload(name, [_ids(rng, 200, vocab)], [256])
-    raise ValueError(f"unknown workload {name!r}; choose from W1 W2 W3 single single200")
-
-
-@dataclass
-class Result:
-    workload: str
-    method: str
-    seconds: float
-    output_tokens: int
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-# ---- ours -----------------------------------------------------------------------------------
-
-
-def run_ours(wl: Workload, args: argparse.Namespace, disable_radix: bool = False, **options: Any) -> Result:
-    """Our engine on `wl`, with the engine's defaults plus `options` (a benchmark comparing one
-    option on and off, e.g. bench.flight_recorder)."""
-    engine = Engine(
-        args.model_path,
-        dtype=args.dtype,
-        device="cpu",
-        torch_threads=args.threads,  # None unless --threads: the engine's default, as a user gets it
-        max_running_requests=max(len(wl.prompts), 1),
-        disable_radix_cache=disable_radix,
-        max_total_tokens=args.max_total_tokens,
-        disable_cascade_attention=args.disable_cascade_attention,
-        **options,
-    )
-
-    async def main() -> tuple[float, int, int]:
-        async with engine:
-            warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-            await engine.generate(wl.prompts[0][:16], warm)  # first-call costs are not throughput
-            await engine.flush_cache()
-            params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in wl.output_lens]
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(wl.prompts, params)))
-            elapsed = time.perf_counter() - t0
-        bad = [r for r, n in zip(results, wl.output_lens) if r.completion_tokens != n]
-        if bad:
-            raise RuntimeError(f"{len(bad)} requests did not produce their length, e.g. {bad[0]!r}")
-        return elapsed, sum(r.completion_tokens for r in results), sum(r.cached_tokens for r in results)
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        elapsed, tokens, cached = runner.run(main())
-    name = "ours-noradix" if disable_radix else "ours"
-    return Result(wl.name, name, elapsed, tokens, {"cached_prompt_tokens": cached})
+PEERS = ("vllm", "llama")
 
 
 # ---- transformers ---------------------------------------------------------------------------
@@ -266,6 +171,24 @@ def _report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def check_peers(args: argparse.Namespace, source: ModelSource) -> Path | None:
+    """Each peer asked for is runnable (the vLLM env installed unless --no-vllm-install, the GGUF
+    dequantized for it, llama-server's binary and GGUF present); vLLM's python, or None."""
+    if "llama" in args.peers:
+        if source.gguf_file is None:
+            raise SystemExit("--peers llama needs a GGUF model (--model-path FILE.gguf or the default)")
+        if not os.access(args.llama_server, os.X_OK):
+            raise SystemExit(f"--llama-server {args.llama_server}: not an executable file")
+    if "vllm" not in args.peers:
+        return None
+    try:
+        python = ensure_vllm_env(args.vllm_venv, install=not args.no_vllm_install)
+    except VllmEnvError as e:
+        raise SystemExit(f"--peers vllm: {e}") from None
+    hf_folder_for(args.model_path)
+    return python
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="smollm2-135m")
@@ -286,9 +209,22 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--no-radix-compare", action="store_true", help="skip ours without the radix cache on W2")
     ap.add_argument("--disable-cascade-attention", action="store_true", help="ours: no shared-prefix decode attention")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="our KV pool size (default: from memory)")
+    ap.add_argument(
+        "--torchao-config",
+        default="",
+        help="ours: weight-only quantization of an HF checkpoint as it loads (int8wo, int4wo-128, ...)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-file", default=None, help="write the results as JSON")
+    ap.add_argument("--peers", nargs="*", default=[], choices=PEERS, help="also run these engines")
+    ap.add_argument("--llama-server", metavar="PATH", help="the llama-server binary (--peers llama)")
+    ap.add_argument("--llama-port", type=int, default=30411, help="where llama-server listens")
+    ap.add_argument("--peer-rounds", type=int, default=3, help="vLLM's passes per workload (first + steady)")
+    ap.add_argument("--vllm-venv", metavar="PATH", help="vLLM's venv (default $ASYNCLLM_VLLM_VENV or /tmp/vllmenv)")
+    ap.add_argument("--no-vllm-install", action="store_true", help="fail instead of installing a missing vLLM")
     args = ap.parse_args(argv)
+    if "llama" in args.peers and not args.llama_server:
+        ap.error("--peers llama needs --llama-server PATH")
 
     # Ours runs with the engine's defaults (it sets its event-loop thread's torch threads itself);
     # transformers runs on this thread with the same thread count as our forward.
@@ -303,17 +239,21 @@ def main(argv: list[str] | None = None) -> list[Result]:
             n, prompt, output = family_shape(FAMILY.index(m))
             print(f"  {m}: {n} requests, prompts U{list(prompt)}, outputs U{list(output)}")
     workloads = [make_workload(w, vocab, args.seed) for w in names]
+    vllm_python = check_peers(args, source)  # a missing peer fails here, before minutes of runs
     results: list[Result] = []
 
-    def record(run: Callable[..., Result], *run_args: Any, **run_kw: Any) -> None:
-        r = run(*run_args, **run_kw)
+    def keep(r: Result) -> None:
         results.append(r)
         print(f"  {r.workload:>8} {r.method:>14}: {r.tokens_per_s:8.1f} tok/s ({r.seconds:.2f} s)", flush=True)
 
+    def record(run: Callable[..., Result], *run_args: Any, **run_kw: Any) -> None:
+        keep(run(*run_args, **run_kw))
+
+    quant = {"torchao_config": args.torchao_config} if args.torchao_config else {}
     for wl in workloads:
-        record(run_ours, wl, args)
+        record(run_ours, wl, args, **quant)
         if wl.name == "W2" and not args.no_radix_compare:
-            record(run_ours, wl, args, disable_radix=True)
+            record(run_ours, wl, args, disable_radix=True, **quant)
     if args.hf_methods:
         model = load_hf(source, dtype)
         pad_id = source.hf_config.eos_token_id if isinstance(source.hf_config.eos_token_id, int) else 0
@@ -326,7 +266,16 @@ def main(argv: list[str] | None = None) -> list[Result]:
                     record(run_hf_cb, model, wl)
                 else:
                     record(run_hf_static, model, wl, 16 if m == "static16" else None, pad_id)
+        del model
+    if "llama" in args.peers:
+        for wl in workloads:
+            record(run_peer, args.llama_server, source.gguf_file, wl, hf_threads, args.llama_port)
+    if vllm_python is not None:
+        for r in run_vllm(args.model_path, workloads, args.peer_rounds, hf_threads, vllm_python, args.dtype, args.seed):
+            keep(r)
     print(_report(results))
+    if any(r.method == "vllm-steady" for r in results):
+        print(f"vllm: its first pass of each workload; vllm-steady: its best of passes 2..{args.peer_rounds}")
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump(

@@ -26,8 +26,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.offline import Result, Workload, make_workload, run_ours
 from bench.soak_server import wait_healthy
+from bench.workloads import Result, Workload, make_workload, run_ours
 from engine import default_torch_threads, resolve_model
 
 READY_TIMEOUT_S = 120.0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError, InvalidServerArgsError
+from engine.layers.weight_quant import TORCHAO_CONFIGS, WeightOnlyQuant
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class ServerArgs:
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None
+    # SGLang's on-the-fly weight-only quantization of a Hugging Face checkpoint: "int8wo" or
+    # "int4wo-<32|64|128|256>", into the forms our CPU kernels read (engine/layers/weight_quant.py;
+    # elsewhere than bf16 on a CPU the model computes densely with the quantized values); one rank.
+    # "" (default): the weights as stored.
+    torchao_config: str = ""
     # SGLang's batch-invariant mode: a request's logits are bit-identical whatever else is in the
     # batch, however its prompt was chunked, with or without a radix hit. Every projection runs
     # dense in fixed row tiles (engine/layers/linear.py `BatchInvariantLinear`; no int4 path, no
@@ -242,6 +248,12 @@ class ServerArgs:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             fail("grammar_compile_timeout", "a positive number of seconds")
         self._verify_lora(fail, is_int)
+        try:
+            quant = WeightOnlyQuant.parse(self.torchao_config)
+        except ValueError:
+            fail("torchao_config", f"one of {', '.join(TORCHAO_CONFIGS)} or empty (off)")
+        if quant is not None:
+            self._verify_quant(fail)
         if self.enable_deterministic_inference and self.enable_mixed_chunk:
             # a mixed forward's decode rows would take the extend GEMM tiles (linear.RowTiles)
             fail("enable_mixed_chunk", "off with enable_deterministic_inference")
@@ -250,6 +262,12 @@ class ServerArgs:
             self.resolved_q4_max_tokens()
         except InvalidRequestError as e:
             raise InvalidServerArgsError(e.message, e.param) from None
+
+    def _verify_quant(self, fail) -> None:
+        """Under tensor parallelism a row-parallel rank's slice would start groups at other
+        columns than one rank's do: other weights than the checkpoint's quantized ones."""
+        if self.tp_size != 1:
+            fail("torchao_config", "empty (off) with tp_size > 1")
 
     def _verify_lora(self, fail, is_int) -> None:
         if self.lora_paths:

@@ -23,6 +23,7 @@ from server.arg_types import (
     positive_int,
 )
 from server.config import ServerConfig
+from server.kernel_args import add_kernel_args, kernel_engine_options
 from server.lora_args import add_lora_args, lora_engine_options
 from server.reasoning import REASONING_PARSERS
 
@@ -209,11 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting for it; the chunk budget shrinks by one token per running request",
     )
     g.add_argument(
-        "--disable-fused-decode",
-        action="store_true",
-        help="CPU bf16: run small decode batches layer by layer in Python instead of one C++ call per step",
-    )
-    g.add_argument(
         "--disable-cascade-attention",
         action="store_true",
         help="cpu/torch attention: attend prefixes shared by several decoding requests once per request "
@@ -229,18 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-overlap-schedule",
         action="store_true",
         help="overlap scheduling also on CPU (off there by default: it competes for the same cores)",
-    )
-    g.add_argument(
-        "--torch-threads",
-        type=positive_int,
-        help="torch threads of the forward thread (default on a CPU: the physical cores this process may use)",
-    )
-    g.add_argument(
-        "--q4-max-tokens",
-        type=non_negative_int,
-        help="CPU, bfloat16: forward passes of up to this many tokens run the linears on the packed "
-        "4-bit weights of a Q4_0/Q4_1 GGUF (torch's int4 kernel); 0 disables (default: the crossover "
-        "with the dense matmul, measured at start-up)",
     )
     g.add_argument(
         "--watchdog-timeout",
@@ -330,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "raise it where a forward's cost stays flat over more rows, as on a GPU)",
     )
     add_lora_args(p)
+    add_kernel_args(p)
     g = p.add_argument_group("scale-out")
     g.add_argument(
         "--tp-size",
@@ -376,8 +361,6 @@ _ENGINE_OPTIONS = (
     "chunked_prefill_size",
     "page_size",
     "schedule_policy",
-    "torch_threads",
-    "q4_max_tokens",
     "watchdog_timeout",
     "weight_version",
     "grammar_backend",
@@ -403,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     engine.update(lora_engine_options(ns))
+    engine.update(kernel_engine_options(ns))
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
     for flag in (
@@ -410,7 +394,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
         "enable_deterministic_inference",
         "disable_radix_cache",
         "disable_cascade_attention",
-        "disable_fused_decode",
         "enable_mixed_chunk",
         "is_embedding",
     ):

@@ -115,3 +115,7 @@ def test_the_command_lines_choices_mirror_the_engines():
 
     assert cli.SCHEDULE_POLICIES == SCHEDULE_POLICIES and cli.POOLING_METHODS == POOLING_METHODS
     assert cli.GRAMMAR_BACKENDS == GRAMMAR_BACKENDS and cli.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    from engine.layers.weight_quant import TORCHAO_CONFIGS
+    from server import kernel_args
+
+    assert kernel_args.TORCHAO_CONFIGS == TORCHAO_CONFIGS

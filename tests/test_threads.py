@@ -4,6 +4,7 @@ SMT siblings once, cgroup quota), the event-loop thread gets one (restored when 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import SamplingParams, default_torch_threads
@@ -105,11 +106,12 @@ async def test_the_forward_thread_keeps_its_threads_whatever_the_caller_sets_nex
 
 
 def test_small_forwards_leave_a_core_to_the_event_loop():
-    """StepThreads (engine/model_executor/model_runner.py): on the forward thread, a forward of a
-    few tokens runs with one thread fewer than the thread's own count, larger ones with all."""
+    """StepThreads (engine/device/step_threads.py): on the forward thread, a forward of a few
+    tokens runs with one thread fewer than the thread's own count (unless measured otherwise),
+    larger ones with all."""
     import torch
 
-    from engine.model_executor.model_runner import SMALL_STEP_TOKENS, StepThreads
+    from engine.device.step_threads import SMALL_STEP_TOKENS, StepThreads
 
     before = torch.get_num_threads()
     try:
@@ -125,5 +127,114 @@ def test_small_forwards_leave_a_core_to_the_event_loop():
         one = StepThreads()  # a single-thread forward never drops to 0
         one.before(1)
         assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        every = StepThreads(small=2)  # measured: small forwards gain from every core
+        every.before(1)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+class FakeClock:
+    """perf_counter for step_threads: a one-row pass advances it by its cost at the current count."""
+
+    def __init__(self, cost_s: dict[int, float]) -> None:
+        self.now, self.cost_s, self.calls = 0.0, cost_s, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def one_row_pass(self) -> None:
+        self.calls.append(torch.get_num_threads())
+        self.now += self.cost_s[torch.get_num_threads()]
+
+
+@pytest.mark.parametrize(
+    ("cost_s", "want"),
+    [
+        ({1: 0.009, 2: 0.007}, 1),  # a small model: every core saves 2 ms, less than the event loop costs
+        ({1: 0.315, 2: 0.130}, 2),  # a 1B-class model: one core cannot stream its weights
+    ],
+)
+def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
+    """measure_small_step_threads times the model's one-row pass with each count, alternately,
+    and keeps every core for small forwards only where that saves more than the event loop's
+    interruptions cost; the forward thread's count is restored."""
+    from engine.device import step_threads
+
+    clock = FakeClock(cost_s)
+    monkeypatch.setattr(step_threads, "perf_counter", clock.perf_counter)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert step_threads.measure_small_step_threads(clock.one_row_pass, 2) == want
+        assert torch.get_num_threads() == 2
+        assert clock.calls[:4] == [1, 2, 1, 2]  # warm-up with each, then alternating
+        assert step_threads.measure_small_step_threads(clock.one_row_pass, 1) == 1  # nothing to choose
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernels_keep_a_thread_s_own_count_once_adopted():
+    """The C++ kernels carry their own copy of ATen's once-per-thread init, which adopts torch's
+    process-wide count (the last torch.set_num_threads of any thread) at the library's first
+    parallel call on a thread; `adopt_thread_count` settles it to the thread's own count first."""
+    import queue
+    import threading
+
+    from engine.kernels import cpu_extension
+
+    module = cpu_extension.load()
+    if module is None:
+        pytest.skip("the CPU kernels are not built here")
+    jobs, results = queue.Queue(), queue.Queue()
+
+    def worker():
+        torch.set_num_threads(2)
+        cpu_extension.adopt_thread_count()
+        while (job := jobs.get()) is not None:
+            results.put(job())
+
+    before = torch.get_num_threads()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        jobs.put(torch.get_num_threads)
+        assert results.get(timeout=60) == 2
+        torch.set_num_threads(1)  # another thread (the event loop) sets its own
+        x = torch.randn(64, 1024).to(torch.bfloat16)
+        jobs.put(lambda: module.argmax_rows(x))  # the kernels' first parallel call on the worker
+        results.get(timeout=60)
+        jobs.put(torch.get_num_threads)
+        assert results.get(timeout=60) == 2
+    finally:
+        jobs.put(None)
+        thread.join()
+        torch.set_num_threads(before)
+
+
+async def test_every_forward_runs_with_the_forward_threads(tiny_tok_folder, monkeypatch):
+    """An engine whose forward thread has 2 threads keeps them for every forward, after the C++
+    kernels' first call too (it used to drop to the event loop's 1 there)."""
+    from engine.kernels import cpu_extension
+    from engine.model_executor.model_runner import ModelRunner
+
+    if cpu_extension.load() is None:
+        pytest.skip("the CPU kernels are not built here")
+    seen = []
+    generate = ModelRunner.forward_batch_generation
+
+    def recording(self, batch):
+        out = generate(self, batch)
+        seen.append(torch.get_num_threads())
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward_batch_generation", recording)
+    before = torch.get_num_threads()
+    try:
+        async with tiny_engine(tiny_tok_folder, dtype="bfloat16", torch_threads=2) as engine:
+            for _ in range(2):
+                await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4))
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) >= 8 and set(seen) == {2}, seen

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from engine.kernels import cached_build
 
 log = logging.getLogger(__name__)
@@ -90,3 +92,18 @@ def module_or_raise() -> ModuleType:
     if module is None:
         raise RuntimeError("the CPU kernels are not available")
     return module
+
+
+def adopt_thread_count() -> None:
+    """Settle, on the calling thread, how many intra-op threads these kernels use: the thread's
+    own torch count now. This library carries its own copy of ATen's once-per-thread init, which
+    otherwise runs at its first parallel kernel on the thread and takes torch's process-wide
+    count, the last `torch.set_num_threads` of any thread: the engine's event-loop thread sets
+    itself 1 after the model loads, so a forward thread whose first kernel call came later ran
+    every later forward on one thread (a 1B model's decode step: ~280 ms instead of ~140).
+    Call it on the forward thread once its count is set, before another thread sets its own;
+    a no-op without the kernels."""
+    module = _module if _tried else None  # only a module some layer already loaded
+    if module is not None and hasattr(module, "num_threads"):
+        torch.set_num_threads(torch.get_num_threads())  # torch's process-wide count := this thread's
+        module.num_threads()

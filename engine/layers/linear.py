@@ -24,7 +24,7 @@ except where the dense weight is shared, as a tied LM head shares the embedding 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -213,3 +213,20 @@ def finalize_linear(
     if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return big
     return QuantLinear(packed, big, q4_max_rows)
+
+
+def one_row_pass(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """A call that runs every projection of `model` on one row of zeros, each in the form a
+    one-token step runs it as: a decode step's weight reads (engine/device/step_threads.py times
+    it to choose a small forward's threads)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inner = {id(sub) for m in linears for sub in m.modules() if sub is not m}  # a QuantLinear's dense form
+    linears = [m for m in linears if id(m) not in inner]
+    device = next(model.parameters()).device
+    inputs = {k: torch.zeros(1, k, dtype=dtype, device=device) for k in {m.in_features for m in linears}}
+
+    def run() -> None:
+        for m in linears:
+            m(inputs[m.in_features])
+
+    return run

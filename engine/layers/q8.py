@@ -30,6 +30,11 @@ class Q8Blocks:
         n, k = self.q.shape
         return (self.q.float().view(n, k // cpu_quant.BLOCK, cpu_quant.BLOCK) * self.scale.unsqueeze(-1)).view(n, k)
 
+    @staticmethod
+    def cat(parts: list[Q8Blocks]) -> Q8Blocks:
+        """Rows concatenated, as the fused q|k|v and gate|up weights are."""
+        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
     def pack(self) -> Q8Weight | None:
         """Our kernel's form, or None where it does not apply (no vectorized build, K not a
         multiple of 64, scales not fp16)."""

@@ -24,14 +24,17 @@ import psutil
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
+from engine.device.step_threads import StepThreads, measure_small_step_threads
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
 from engine.errors import InvalidServerArgsError, ModelLoadError
+from engine.kernels import cpu_extension
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
-from engine.layers.linear import QuantLinear
+from engine.layers.linear import QuantLinear, one_row_pass
+from engine.layers.weight_quant import WeightOnlyQuant
 from engine.model_config import ModelConfig
 from engine.model_executor.cuda_graph_runner import (
     DecodeGraphRunner,
@@ -52,38 +55,6 @@ from engine.server_args import ServerArgs, default_mem_fraction
 from engine.speculative.verify import verify_batch
 
 log = logging.getLogger(__name__)
-
-
-SMALL_STEP_TOKENS = 8  # forwards of at most this many tokens are latency-bound (decode of a few streams)
-
-
-class StepThreads:
-    """Torch threads of each forward, set on the forward thread itself just before it runs.
-
-    With every core in the forward's OpenMP team, the event loop's work between steps (output
-    processing, detokenizing, streaming) preempts a team member and the whole team waits at the
-    next barrier: on 2 cores a bs-1 decode step took 12.7-13.3 ms with 2 threads and 8.6-9.1 ms
-    with 1 (single stream 74 -> 98 tok/s), while batches want every core (W1 499 vs 318 tok/s
-    with 1 thread). So small forwards leave one core free and larger ones use all of them.
-
-    `pin_extend` (deterministic inference): every extend runs with all of them, as a GEMM's sums
-    may change with the thread count (measured: oneDNN's 256-row bf16 tile of a 1536x576
-    projection); decode's 64-row tiles come out the same with either count (tests/test_deterministic.py).
-    """
-
-    def __init__(self, pin_extend: bool = False) -> None:
-        self.full: int | None = None  # the forward thread's own count, read at its first step
-        self.now: int | None = None
-        self.pin_extend = pin_extend
-
-    def before(self, num_tokens: int, extend: bool = False) -> None:
-        if self.full is None:
-            self.full = self.now = torch.get_num_threads()
-        small = num_tokens <= SMALL_STEP_TOKENS and not (extend and self.pin_extend)
-        want = max(1, self.full - 1) if small else self.full
-        if want != self.now:
-            torch.set_num_threads(want)
-            self.now = want
 
 
 @dataclass
@@ -170,11 +141,16 @@ class ModelRunner(RunnerWeights):
         self._init_fused_decode()
         self.sampler = Sampler()
         self.weight_update_groups = {}  # trainers' groups by name (runner_weights.py)
-        # CPU, default threads: a forward of a few tokens leaves one core to the event loop
-        # (`StepThreads`); a user's explicit `torch_threads` is kept for every forward, and a
+        # CPU, default threads: a forward of a few tokens may leave one core to the event loop
+        # (`StepThreads`, measured per model); a user's explicit `torch_threads` is kept for every forward, and a
         # worker rank has no event loop to make room for.
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
-        self.step_threads = StepThreads(pin_extend=deterministic) if adapt else None
+        if self.device.type == "cpu":  # this (the forward's) thread's count, before the event loop sets its own
+            cpu_extension.adopt_thread_count()
+        small = (
+            measure_small_step_threads(one_row_pass(self.model, self.dtype), torch.get_num_threads()) if adapt else None
+        )
+        self.step_threads = StepThreads(pin_extend=deterministic, small=small) if adapt else None
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()
@@ -225,12 +201,17 @@ class ModelRunner(RunnerWeights):
         cfg, source = self.model_config, source or self.source
         model = MODEL_CLASSES[cfg.architecture](cfg, source.hf_config, self.device, self.dtype, self.tp).eval()
         want_q4 = q4_max_tokens != 0 and int4_kernel_available()
+        quant = WeightOnlyQuant.parse(self.args.torchao_config)  # verified by ServerArgs
+        if quant is not None and source.gguf_file is not None:
+            raise InvalidServerArgsError(
+                "torchao_config applies to Hugging Face checkpoints; a GGUF is quantized already", "torchao_config"
+            )
         try:
-            if want_q4:  # the dense weights plus, for 4-bit GGUF layers, their blocks
-                q4 = model.load_weights(source.iter_weights_q4())
+            if want_q4:  # the dense weights plus, for 4-bit GGUF layers (or --torchao-config), their blocks
+                q4 = model.load_weights(source.iter_weights_q4(), quant)
             else:  # under tensor parallelism, this rank's slice of each weight only
                 select = model.shard.weight_slice if self.tp.size > 1 else None
-                q4 = model.load_weights((name, t, None) for name, t in source.iter_weights(select))
+                q4 = model.load_weights(((name, t, None) for name, t in source.iter_weights(select)), quant)
         except ModelLoadError:
             raise
         except Exception as e:  # a weight file that breaks in an unforeseen way still gets named

@@ -42,6 +42,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabEmbedding
+from engine.layers.weight_quant import WeightOnlyQuant
 from engine.model_config import QK_NORM_WHOLE, ModelConfig
 from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.models.checkpoint_parts import WeightItem, llama_layout
@@ -188,17 +189,21 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[WeightItem]) -> dict[str, QuantWeight]:
+    def load_weights(
+        self, weights: Iterable[WeightItem], quant: WeightOnlyQuant | None = None
+    ) -> dict[str, QuantWeight]:
         """Copy Hugging Face-named tensors into the parameters; every parameter must be set.
 
-        Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`). Returns,
-        by projection name, the quantized form of each projection whose every part came with
-        blocks (one dense part, or a shape the kernel cannot take, leaves that projection dense
-        only), and of the LM head when its weight (or the embedding it is tied to) came as Q8_0.
+        Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`); `quant`
+        (`--torchao-config`) quantizes each decoder-layer projection part that came without, and
+        the part then loads as its blocks dequantized. Returns, by projection name, the quantized
+        form of each projection whose every part came with blocks of one kind (one dense part, or
+        a shape the kernel cannot take, leaves that projection dense only), and of the LM head
+        when its weight (or the embedding it is tied to) came as Q8_0.
         """
         params = dict(self.named_parameters())
         seen: set[tuple[str, int]] = set()
-        q4_parts: dict[str, dict[int, Q4Blocks | None]] = {}
+        q4_parts: dict[str, dict[int, Q4Blocks | Q8Blocks | None]] = {}
         packed: dict[str, QuantWeight] = {}
         head_name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
         for name, tensor, blocks in llama_layout(weights, self.cfg, self.shard):
@@ -218,11 +223,15 @@ class LlamaForCausalLM(nn.Module):
                 self._copy(moe.expert_weight(target.part, target.attr), tensor, name)
                 seen.add((f"{target.path}.experts.{target.attr}", target.part))
             elif target.kind == PART:
+                layer_weight = target.attr == "weight" and target.path != "lm_head"
+                if layer_weight and blocks is None and quant is not None and quant.applies_to(tensor):
+                    blocks = quant.quantize(tensor)
+                    tensor = blocks.dequantize()
                 self._load_part(target.path, target.attr, target.part, tensor, name)
                 seen.add((f"{target.path}.{target.attr}", target.part))
-                if target.attr == "weight" and target.path != "lm_head":
-                    q4 = blocks if isinstance(blocks, Q4Blocks) else None
-                    self._collect_q4(target.path, target.part, q4, q4_parts, packed)
+                if layer_weight:
+                    kept = blocks if isinstance(blocks, (Q4Blocks, Q8Blocks)) else None
+                    self._collect_blocks(target.path, target.part, kept, q4_parts, packed)
         missing = sorted(self._expected_parts() - seen)
         if missing:
             raise ModelLoadError(f"weights missing from checkpoint: {[f'{n}[{s}]' for n, s in missing[:8]]}")
@@ -268,15 +277,15 @@ class LlamaForCausalLM(nn.Module):
         first, rows = linear.shard_rows(shard)
         self._copy(target.data[first : first + rows], tensor, name)
 
-    def _collect_q4(
+    def _collect_blocks(
         self,
         path: str,
         shard: int,
-        blocks: Q4Blocks | None,
-        parts: dict[str, dict[int, Q4Blocks | None]],
+        blocks: Q4Blocks | Q8Blocks | None,
+        parts: dict[str, dict[int, Q4Blocks | Q8Blocks | None]],
         packed: dict[str, QuantWeight],
     ) -> None:
-        """Keep a part's 4-bit blocks; once every part of `path` is in, fuse them (rows in order) and pack."""
+        """Keep a part's blocks; once every part of `path` is in, fuse them (rows in order) and pack."""
         linear = self.get_submodule(path)
         assert isinstance(linear, DenseLinear)
         have = parts.setdefault(path, {})
@@ -284,8 +293,9 @@ class LlamaForCausalLM(nn.Module):
         if len(have) == len(linear.output_sizes):
             del parts[path]
             ordered = [have[s] for s in sorted(have)]
-            if all(b is not None for b in ordered):
-                form = Q4Blocks.cat([b for b in ordered if b is not None]).pack()
+            first = ordered[0]
+            if first is not None and all(type(b) is type(first) for b in ordered):  # one kind, none missing
+                form = type(first).cat(ordered).pack()
                 if form is not None:
                     packed[path] = form
 

@@ -1,6 +1,7 @@
 // The Python module: every CPU kernel entry point (their argument checks live next to them).
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <optional>
 #include <vector>
@@ -23,6 +24,16 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // This library's copy of ATen's once-per-thread thread-count init runs at its first parallel
+  // call on a thread and adopts torch's process-wide count (the last torch.set_num_threads of any
+  // thread), not the thread's own; calling this settles it at a moment of the caller's choosing.
+  m.def(
+      "num_threads",
+      [] {
+        at::internal::lazy_init_num_threads();  // this library's copy (inline in ATen/Parallel.h)
+        return at::get_num_threads();
+      },
+      "settle this thread's intra-op threads for these kernels; returns them");
   m.def("decode_attention", &decode_attention, "paged decode attention (out, lse) on CPU", py::arg("q"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
         py::arg("query_starts") = py::none());
