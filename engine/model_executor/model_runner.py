@@ -172,11 +172,17 @@ class ModelRunner(RunnerWeights):
         the prepacked oneDNN / int4 forms the linears hold as plain attributes (each tensor once:
         a tied LM head is the embedding)."""
         tensors: dict[int, torch.Tensor] = {}
+
+        def collect(v: object) -> None:  # a weight form may nest (TiledQ4Weight holds a Q4Packed)
+            if isinstance(v, torch.Tensor):
+                tensors[id(v)] = v
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                for f in dataclasses.fields(v):
+                    collect(getattr(v, f.name))
+
         for module in self.model.modules():
-            values = [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]
-            for v in values:
-                parts = [getattr(v, f.name) for f in dataclasses.fields(v)] if dataclasses.is_dataclass(v) else [v]
-                tensors.update((id(t), t) for t in parts if isinstance(t, torch.Tensor))
+            for v in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]:
+                collect(v)
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def rank_info(self) -> dict[str, object]:
