@@ -26,7 +26,7 @@ Each point is the minimum of a few alternating repeats (noise on a shared machin
 time, and alternation exposes both sides to the same load); the answer is interpolated between
 the last win and the first loss, where a win means beating the dense side by REQUIRED_WIN (see
 there). Results are cached per process for the same shapes and thread count.
-About 0.4 s for the default model, 2-4 s for a 1B-class one.
+About 0.4 s for the default model, ~2 s for a 1B-class one.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 REPEATS = 3
-# Stop doubling past this: the last winning row count stands. A point times a few passes over
-# twice the last-level cache of quantized weights and their dense forms; on a 300 MB L3 with a
-# 1B-class model that is ~0.5 s a point, and a budget of one point left every batch above one
-# row on the dense weights (W3's 32 rows read 4x the bytes a 4-bit form needs).
-BUDGET_S = 4.0
+# Stop doubling past BUDGET_S once MIN_ROWS are measured: the last winning row count stands. A
+# point times a few passes over twice the last-level cache of quantized weights and their dense
+# forms; on a 300 MB L3 with a 1B-class model that is ~0.5 s a point, and a budget alone stopped
+# it after the first point, leaving every batch above one row on the dense weights.
+BUDGET_S = 0.5
+MIN_ROWS = 4
 # The quantized side must beat the dense one by this fraction when timed alone to win in a real
 # forward. Default model, 2 threads, our 4-bit kernel: timed alone it won by 30% at 16 rows and 6%
 # at 32, while whole decode steps were 15% faster at 16, even at 24 and 14% slower at 32 (the
@@ -135,7 +136,7 @@ def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
                 result = prev_rows + int((rows - prev_rows) * prev_gain / (prev_gain - gain)) if prev_rows else 0
                 break
             prev_rows, prev_gain = rows, gain
-            if time.perf_counter() - started > BUDGET_S:
+            if rows >= MIN_ROWS and time.perf_counter() - started > BUDGET_S:
                 result = rows
                 break
     log.info(
