@@ -238,3 +238,25 @@ async def test_every_forward_runs_with_the_forward_threads(tiny_tok_folder, monk
     finally:
         torch.set_num_threads(before)
     assert len(seen) >= 8 and set(seen) == {2}, seen
+
+
+async def test_a_new_forward_thread_keeps_its_count_through_the_loaded_kernels():
+    """A CPU device stream started after the C++ kernels are loaded (a second engine in the
+    process) settles their thread count at its start, before anything else runs on it."""
+    from engine.device.cpu_stream import CpuDeviceStream
+    from engine.kernels import cpu_extension
+
+    module = cpu_extension.load()
+    if module is None:
+        pytest.skip("the CPU kernels are not built here")
+    before = torch.get_num_threads()
+    x = torch.randn(64, 1024).to(torch.bfloat16)
+    try:
+        stream = CpuDeviceStream(2)
+        assert await stream.launch(torch.get_num_threads) == 2
+        torch.set_num_threads(1)  # the event loop's own, as Engine.start sets it
+        await stream.launch(module.argmax_rows, x)  # the kernels' first parallel call there
+        assert await stream.launch(torch.get_num_threads) == 2
+        await stream.aclose()
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from engine.device.stream import Completion, DeviceHandle, DeviceStream, check_threads, running_loop
+from engine.kernels import cpu_extension
 
 __all__ = ["CpuDeviceStream"]
 
@@ -99,6 +100,10 @@ class CpuDeviceStream(DeviceStream):
             # set_num_threads (the engine sets the event loop's) would become this thread's.
             torch.get_num_threads()
             torch.set_num_threads(self._torch_threads)
+            # Our C++ kernels' library has its own copy of that lazy init: settle it too where the
+            # library is already loaded (a second engine in this process); the first one
+            # loads it with the model, and ModelRunner settles it then.
+            cpu_extension.adopt_thread_count()
         while True:
             job = self._queue.get()
             if isinstance(job, _Stop):
