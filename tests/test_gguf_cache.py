@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.kernels import cached_build
 from engine.models import gguf_cache
 from engine.models.loader import default_gguf_path, resolve_model
 
@@ -154,10 +155,13 @@ def test_cache_off_and_its_location(tmp_path, monkeypatch, conversions):
     gguf_cache.load_gguf_tokenizer(default_gguf_path())
     assert len(conversions) == 2
     monkeypatch.delenv(gguf_cache.ENV)
+    monkeypatch.delenv("ASYNCLLM_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert gguf_cache.cache_root() == tmp_path / "xdg" / "asyncllm"
+    assert cached_build.cache_root() == tmp_path / "xdg" / "asyncllm" / "kernels"  # the compiled kernels beside
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # invalid by the XDG spec: ignored
     assert gguf_cache.cache_root() == Path.home() / ".cache" / "asyncllm"
+    assert cached_build.cache_root() == Path.home() / ".cache" / "asyncllm" / "kernels"
 
 
 def test_leftovers_of_killed_writers_are_swept(cache_dir, conversions):

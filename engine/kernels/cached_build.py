@@ -4,7 +4,8 @@
 environment, and every later start loads the cached .so without compiling. The CPU kernels
 (cpu_extension.py) use it; so do the tests, with a tiny source, to check the mechanism in seconds.
 
-Layout under the cache root (~/.cache/asyncllm/kernels, or $ASYNCLLM_KERNEL_CACHE):
+Layout under the cache root ($ASYNCLLM_KERNEL_CACHE, else $XDG_CACHE_HOME/asyncllm/kernels, else
+~/.cache/asyncllm/kernels):
 
     <name>_<key>/<name>_<key>.so            a complete build; only a rename ever creates the folder
     <name>_<key>.lock                       flock'd by the one process building <key>; holds its pid
@@ -60,8 +61,15 @@ LIB_EXT = ".pyd" if os.name == "nt" else ".so"
 _BUILDING = ".building-"
 
 
+def user_cache_home() -> Path:
+    """The project's per-user cache folder: $XDG_CACHE_HOME/asyncllm, else ~/.cache/asyncllm (a
+    relative $XDG_CACHE_HOME is invalid by the XDG spec and ignored)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "asyncllm"
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("ASYNCLLM_KERNEL_CACHE", Path.home() / ".cache" / "asyncllm" / "kernels"))
+    return Path(os.environ.get("ASYNCLLM_KERNEL_CACHE", user_cache_home() / "kernels"))
 
 
 @functools.cache

@@ -46,6 +46,8 @@ import tokenizers
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.kernels.cached_build import user_cache_home
+
 log = logging.getLogger(__name__)
 
 ENV = "ASYNCLLM_GGUF_CACHE"
@@ -63,9 +65,7 @@ def cache_root() -> Path | None:
     env = os.environ.get(ENV)
     if env is not None:
         return None if env.strip().lower() in ("", "off", "0") else Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # a relative one is invalid (XDG spec)
-    return base / "asyncllm"
+    return user_cache_home()
 
 
 def entry_name(gguf: Path) -> str:
