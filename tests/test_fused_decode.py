@@ -17,6 +17,8 @@ import torch
 from engine import SyncScheduler
 from engine.kernels import cpu_quant
 from engine.layers.fused_decode import FusedDecodeLayers
+from engine.layers.linear import QuantLinear
+from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
@@ -129,13 +131,16 @@ QWEN_SHAPE = dict(
 )
 
 
-@pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3-qknorm", "qwen2-bias-int8wo"])
 def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
+    """Qwen2's biases and Qwen3's q/k norm in the loop; with `--torchao-config int8wo` the Q8_0
+    kernel runs there too (below the bound, oneDNN above)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
     from engine.models.loader import resolve_model
 
-    config = Qwen2Config(**QWEN_SHAPE) if kind == "qwen2-bias" else Qwen3Config(**QWEN_SHAPE, head_dim=64)
+    qwen2 = kind.startswith("qwen2")
+    config = Qwen2Config(**QWEN_SHAPE) if qwen2 else Qwen3Config(**QWEN_SHAPE, head_dim=64)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # every weight random, biases and norm weights included
@@ -143,11 +148,14 @@ def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     source = resolve_model(str(tmp_path))
-    runner = _runner(source)
+    quant = dict(torchao_config="int8wo") if kind.endswith("int8wo") else {}
+    runner = _runner(source, **quant)
     model = runner.model
     attn = model.layers[0].self_attn
-    assert (attn.qkv_proj.bias is not None) == (kind == "qwen2-bias")
+    assert (attn.qkv_proj.bias is not None) == qwen2
     assert (attn.qk_norm is not None) == (kind == "qwen3-qknorm")
+    if quant:
+        assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(attn.qkv_proj.packed, Q8Weight)
     assert model.fused_decode is not None and model.fused_decode.max_rows is None
     seen = _check_every_fused_forward(monkeypatch, model)
     gen = torch.Generator().manual_seed(1)
@@ -157,6 +165,6 @@ def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
     assert {"EXTEND", "DECODE"} <= {mode for mode, _ in seen} and max(rows for _, rows in seen) >= 5
 
     monkeypatch.undo()
-    plain = _runner(source, disable_fused_decode=True)
+    plain = _runner(source, disable_fused_decode=True, **quant)
     assert plain.model.fused_decode is None
     assert [r.output_ids for r in SyncScheduler(plain).generate(prompts, params)] == fused_out

@@ -92,7 +92,7 @@ def test_fp32_greedy_tokens_equal_transformers_on_the_quantized_values(family, s
 @pytest.mark.parametrize("spec", ["int8wo", "int4wo-32", "int4wo-128"])
 def test_bf16_small_batches_run_the_quantized_kernels(spec, tmp_path):
     """bf16 on a CPU: every decoder-layer projection keeps its quantized form (Q8_0 or our 4-bit
-    tiles) beside its dense one, the int4 forms in the fused decode loop; greedy tokens are
+    tiles) beside its dense one, both kinds in the fused decode loop; greedy tokens are
     transformers' top choices on the quantized values."""
     if not cpu_quant.vectorized():
         pytest.skip("the quantized CPU kernels need AVX512-BF16 (the dense path is covered in fp32)")
@@ -109,8 +109,7 @@ def test_bf16_small_batches_run_the_quantized_kernels(spec, tmp_path):
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(proj, QuantLinear) and isinstance(proj.packed, form) and proj.max_rows == 8
     assert not isinstance(runner.model.lm_head, QuantLinear)  # the head stays as stored
-    if spec != "int8wo":
-        assert runner.model.fused_decode is not None and runner.model.fused_decode.max_rows is None
+    assert runner.model.fused_decode is not None and runner.model.fused_decode.max_rows is None
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 37, 12, 60, 20, 90)]
     sched = SyncScheduler(runner)

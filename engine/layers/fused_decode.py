@@ -11,8 +11,8 @@ When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether 
 one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers with SiLU (projection
 biases as Qwen2 has them and Qwen3's q/k norm included; `model.llama_layers`: not Granite's
 residual multiplier nor OLMo 2's post-norms and whole q/k norm; Phi-3 once its fused tensors are
-split, unless its rotary is partial, which has no fused form), every projection in our 4-bit form
-and/or prepacked for oneDNN, and a bf16 KV pool.
+split, unless its rotary is partial, which has no fused form), every projection in our 4-bit or
+Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for oneDNN, and a bf16 KV pool.
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 and, where some projection has only its 4-bit form, it has at most that form's row bound of
@@ -33,33 +33,36 @@ from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, Kernel
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import OneDNNLinear, QuantLinear
+from engine.layers.q8 import Q8Weight
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
 class _Form(NamedTuple):
     """A projection as the C++ loop takes it (csrc/decode_layers.h `Projection`)."""
 
-    parts: list[torch.Tensor]  # 4-bit tiles (codes, scales, offsets) and/or the oneDNN-packed weight
+    # the quantized form (4-bit tiles: codes, scales, offsets; Q8_0: int8 codes, scales) and/or
+    # the oneDNN-packed weight
+    parts: list[torch.Tensor]
     out_features: int
-    q4_rows: int | None  # the 4-bit form's row bound; None: no 4-bit form
+    q4_rows: int | None  # the quantized form's row bound; None: no quantized form
     bias: torch.Tensor | None
-
-    @property
-    def has_dense(self) -> bool:
-        """Whether it has the oneDNN-packed weight, which runs above the bound (or alone)."""
-        return len(self.parts) != 3
+    has_dense: bool  # the oneDNN-packed weight, which runs above the bound (or alone)
 
 
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
     if isinstance(module, OneDNNLinear):
-        return _Form([module.packed], module.out_features, None, module.bias)
-    if isinstance(module, QuantLinear) and isinstance(module.packed, TiledQ4Weight):
-        tiles = module.packed.tiles
-        parts = [tiles.codes, tiles.scales, tiles.offsets]
-        if isinstance(module.big, OneDNNLinear):
+        return _Form([module.packed], module.out_features, None, module.bias, True)
+    if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight)):
+        packed = module.packed
+        if isinstance(packed, TiledQ4Weight):
+            parts = [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
+        else:
+            parts = [packed.codes, packed.scales]
+        dense = isinstance(module.big, OneDNNLinear)
+        if dense:
             parts.append(module.big.packed)
-        return _Form(parts, tiles.out_features, module.max_rows, module.bias)
+        return _Form(parts, packed.out_features, module.max_rows, module.bias, dense)
     return None
 
 

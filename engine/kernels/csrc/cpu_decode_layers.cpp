@@ -30,6 +30,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 
 namespace asyncllm {
 
@@ -37,17 +38,20 @@ namespace {
 
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
                       const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(parts.size() == 1 || parts.size() == 3 || parts.size() == 4,
-              "a projection is (codes, scales, offsets), its dense weight, or both");
+  const bool q8 = parts.size() > 1 && parts[0].scalar_type() == torch::kChar;  // Q8_0 codes are int8
+  const size_t quant = q8 ? 2 : 3;  // tensors of the quantized form
+  TORCH_CHECK(parts.size() == 1 || parts.size() == quant || parts.size() == quant + 1,
+              "a projection is (codes, scales[, offsets]), its dense weight, or both");
   Projection p{};
   p.out_features = out_features;
   p.q4_rows = parts.size() == 1 ? 0 : q4_rows;
-  if (parts.size() >= 3) {
+  p.q8 = q8;
+  if (parts.size() >= quant) {
     p.codes = parts[0];
     p.scales = parts[1];
-    p.offsets = parts[2];
+    if (!q8) p.offsets = parts[2];
   }
-  if (parts.size() != 3) p.dense = parts.back();
+  if (parts.size() != quant) p.dense = parts.back();
   if (bias.has_value()) p.bias = *bias;
   return p;
 }
@@ -65,10 +69,11 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   return stack[0].toTensor();
 }
 
-// QuantLinear.forward: the 4-bit GEMV then `out + bias` up to the row bound, else the dense form.
+// QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense form.
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   if (x.size(0) <= w.q4_rows || !w.dense.defined()) {
-    torch::Tensor out = q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+    torch::Tensor out = w.q8 ? q8_gemv(x.contiguous(), w.codes, w.scales, true)
+                             : q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
     return w.bias.defined() ? out + w.bias : out;
   }
   return dense_linear(x, w.dense, w.bias);

@@ -9,12 +9,13 @@
 
 namespace asyncllm {
 
-// One projection: its 4-bit form (cpu_quant_gemv.cpp's tiled layout) for inputs of at most
-// q4_rows rows, its oneDNN-prepacked bf16 weight (engine/layers/linear.py OneDNNLinear) for more.
-// Either may be missing (undefined tensors): a dense-only model has q4_rows 0, a projection with
-// no dense form serves at most q4_rows rows.
+// One projection: its quantized form (cpu_quant_gemv.cpp's tiled 4-bit layout, or Q8_0 blocks
+// when `q8`) for inputs of at most q4_rows rows, its oneDNN-prepacked bf16 weight
+// (engine/layers/linear.py OneDNNLinear) for more. Either may be missing (undefined tensors): a
+// dense-only model has q4_rows 0, a projection with no dense form serves at most q4_rows rows.
 struct Projection {
-  torch::Tensor codes, scales, offsets;
+  torch::Tensor codes, scales, offsets;  // offsets: 4-bit only
+  bool q8 = false;
   torch::Tensor dense;
   torch::Tensor bias;  // undefined: none (Qwen2 has q|k|v biases)
   int64_t out_features;
@@ -31,8 +32,9 @@ struct DecodeLayer {
 class DecodeLayers {
  public:
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
-  // Each projection's parts: (codes, scales, offsets) for a 4-bit form, then the prepacked dense
-  // weight if it has one (so 1, 3 or 4 tensors); q4_rows bounds the 4-bit form's inputs.
+  // Each projection's parts: (codes uint8, scales, offsets) for a 4-bit form or (codes int8,
+  // scales) for a Q8_0 one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
+  // tensors); q4_rows bounds the quantized form's inputs.
   // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
   // layer's q/k norm table, or None.
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
