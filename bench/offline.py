@@ -37,6 +37,7 @@ Peers (`--peers`, the engines a user would pick instead; same prompt ids, greedy
     python -m bench.offline --workloads family --hf-methods static16 cb   # the mixed family
     python -m bench.offline --output-file offline.json
     python -m bench.offline --workloads W3 --hf-methods --peers vllm llama --llama-server ./llama-server
+    python -m bench.offline --workloads M2 --rounds 3 --peers vllm      # first pass and steady state, both sides
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import torch
 
 from bench.peer import run_peer
 from bench.peer_vllm import VllmEnvError, ensure_vllm_env, hf_folder_for, run_vllm
-from bench.workloads import FAMILY, Result, Workload, family_shape, make_workload, run_ours
+from bench.workloads import FAMILY, Result, Workload, family_shape, make_workload, run_ours, run_ours_passes
 from engine import ModelSource, default_torch_threads, resolve_model
 
 HF_METHODS = ("static", "static16", "cb")
@@ -157,8 +158,11 @@ def _report(results: list[Result]) -> str:
         by_wl.setdefault(r.workload, []).append(r)
     for name, rs in by_wl.items():
         ours = next((r for r in rs if r.method == "ours"), None)
+        steady = next((r for r in rs if r.method == "ours-steady"), None)
         for r in rs:
-            ratio = f"{ours.tokens_per_s / r.tokens_per_s:>7.2f}" if ours and r is not ours else f"{'':>7}"
+            # a peer's steady state against ours (first passes against first passes)
+            mine = steady if steady is not None and r.method.endswith("-steady") else ours
+            ratio = f"{mine.tokens_per_s / r.tokens_per_s:>7.2f}" if mine and r is not mine else f"{'':>7}"
             lines.append(
                 f"{name:>8} {r.method:>14} {r.seconds:>9.2f} {r.output_tokens:>8} {r.tokens_per_s:>9.1f} {ratio}"
             )
@@ -214,6 +218,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
         default="",
         help="ours: weight-only quantization of an HF checkpoint as it loads (int8wo, int4wo-128, ...)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="ours: passes per workload in one engine; above 1 also prints ours-steady, the best later pass",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-file", default=None, help="write the results as JSON")
     ap.add_argument("--peers", nargs="*", default=[], choices=PEERS, help="also run these engines")
@@ -251,7 +261,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
 
     quant = {"torchao_config": args.torchao_config} if args.torchao_config else {}
     for wl in workloads:
-        record(run_ours, wl, args, **quant)
+        for r in run_ours_passes(wl, args, args.rounds, **quant):
+            keep(r)
         if wl.name == "W2" and not args.no_radix_compare:
             record(run_ours, wl, args, disable_radix=True, **quant)
     if args.hf_methods:

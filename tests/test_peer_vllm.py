@@ -162,7 +162,7 @@ def test_offline_stops_before_running_anything_when_vllm_is_missing(tmp_path, mo
     def no_run(*a, **k):
         raise AssertionError("ran a workload")
 
-    monkeypatch.setattr(offline, "run_ours", no_run)
+    monkeypatch.setattr(offline, "run_ours_passes", no_run)
     argv = ["--workloads", "single", "--hf-methods", "--peers", "vllm", "--vllm-venv", str(tmp_path / "v")]
     with pytest.raises(SystemExit, match="--peers vllm: no vLLM in"):
         offline.main([*argv, "--no-vllm-install"])
@@ -174,7 +174,12 @@ def test_offline_reports_every_peer_with_our_ratio(fake_llama_server, tmp_path, 
     """The glue of `bench.offline --peers vllm llama`: our row, then each peer's with ours/peer.
     Ours and vLLM are stand-ins here; llama-server is tests/test_bench_peer.py's fake server."""
     script, log = fake_llama_server
-    monkeypatch.setattr(offline, "run_ours", lambda wl, args: Result(wl.name, "ours", 1.0, wl.output_tokens))
+
+    def fake_ours(wl, args, rounds, **options):  # a first pass of 1 s, later ones of 0.5 s
+        first = Result(wl.name, "ours", 1.0, wl.output_tokens)
+        return [first, Result(wl.name, "ours-steady", 0.5, wl.output_tokens)] if rounds > 1 else [first]
+
+    monkeypatch.setattr(offline, "run_ours_passes", fake_ours)
     monkeypatch.setattr(offline, "ensure_vllm_env", lambda venv, install: tmp_path / "python")
     monkeypatch.setattr(offline, "hf_folder_for", lambda model: tmp_path)
     seen = {}
@@ -192,15 +197,17 @@ def test_offline_reports_every_peer_with_our_ratio(fake_llama_server, tmp_path, 
 
     monkeypatch.setattr(offline, "run_vllm", fake_vllm)
     argv = ["--workloads", "single", "--hf-methods", "--peers", "vllm", "llama", "--llama-server", str(script)]
-    results = offline.main([*argv, "--llama-port", str(free_port()), "--peer-rounds", "2", "--threads", "1"])
-    assert [r.method for r in results] == ["ours", "llama-server", "vllm", "vllm-steady"]
+    results = offline.main(
+        [*argv, "--llama-port", str(free_port()), "--peer-rounds", "2", "--rounds", "2", "--threads", "1"]
+    )
+    assert [r.method for r in results] == ["ours", "ours-steady", "llama-server", "vllm", "vllm-steady"]
     single = make_workload("single", resolve_model("smollm2-135m").hf_config.vocab_size)
     assert seen == {"rounds": 2, "threads": 1, "python": tmp_path / "python", "prompts": [single.prompts]}
     sent = [json.loads(x)["body"] for x in log.read_text().splitlines()[1:]]
     assert sent[-1]["prompt"] == single.prompts[0] and sent[-1]["n_predict"] == 128  # the same request
     rows = [line.split() for line in capsys.readouterr().out.split("ours/x")[1].splitlines()]
     assert ["single", "vllm", "4.00", "128", "32.0", "4.00"] in rows  # ours 128 tok/s / vLLM's 32
-    assert ["single", "vllm-steady", "2.00", "128", "64.0", "2.00"] in rows
+    assert ["single", "vllm-steady", "2.00", "128", "64.0", "4.00"] in rows  # ours' steady 256 / vLLM's 64
     assert any(r[:2] == ["single", "llama-server"] and len(r) == 6 for r in rows)  # with its ratio
 
 
