@@ -20,6 +20,7 @@ from server.openai_common import (
     check_done,
     finish_reason,
     new_id,
+    response_metadata,
     samples,
     sampling_params,
     usage_of,
@@ -148,7 +149,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             choice.structured_output_warning = warning
         choices.append(choice)
     usage = usage_of([outs[pi * n].last for pi in range(len(prompts))], [o.last for o in outs])
-    return web.json_response(body=msgspec.json.encode(CompletionResponse(rid, created, model, choices, usage)))
+    body = CompletionResponse(rid, created, model, choices, usage, metadata=response_metadata(state, outs[0]))
+    return web.json_response(body=msgspec.json.encode(body))
 
 
 async def _stream_completion(

@@ -23,6 +23,7 @@ from server.openai_common import (
     check_done,
     finish_reason,
     new_id,
+    response_metadata,
     samples,
     sampling_params,
     usage_of,
@@ -205,7 +206,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             choice.structured_output_warning = warning
         choices.append(choice)
     usage = usage_of([outs[0].last], [o.last for o in outs])
-    return web.json_response(body=msgspec.json.encode(ChatCompletionResponse(rid, created, model, choices, usage)))
+    body = ChatCompletionResponse(rid, created, model, choices, usage, metadata=response_metadata(state, outs[0]))
+    return web.json_response(body=msgspec.json.encode(body))
 
 
 def _tool_chunk(event: ToolCallDelta) -> ChatDelta:

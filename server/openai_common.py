@@ -120,6 +120,13 @@ def usage_of(prompt_outs: list[Any], outs: list[ResultBuilder] | list[Any], deta
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached) if detail else None)
 
 
+def response_metadata(state: ServerState, out: ResultBuilder) -> dict[str, str]:
+    """A non-streaming response's `metadata` (SGLang's): the version of the weights that produced
+    `out`'s last token, or the serving one where it produced none."""
+    version = out.weight_versions[-1] if out.weight_versions else out.last.weight_version if out.last else ""
+    return {"weight_version": version or state.engine.weight_version}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -147,6 +147,9 @@ class CompletionResponse(Struct):
     usage: Usage | None = None
     object: str = "text_completion"
     system_fingerprint: str | None = None
+    # SGLang's: {"weight_version": the weights that produced the first choice} (RL rollouts tell
+    # which policy sampled a response); non-streaming responses only, as SGLang's
+    metadata: dict[str, str] | None = None
 
 
 class TopLogprob(Struct):
@@ -204,6 +207,9 @@ class ChatCompletionResponse(Struct):
     usage: Usage | None = None
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    # SGLang's: {"weight_version": the weights that produced the first choice} (RL rollouts tell
+    # which policy sampled a response); non-streaming responses only, as SGLang's
+    metadata: dict[str, str] | None = None
 
 
 class FunctionCallDelta(Struct, omit_defaults=True):

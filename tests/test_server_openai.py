@@ -71,6 +71,9 @@ def test_chat_greedy_equals_engine_and_reports_cache(client, expected, default_t
     assert msg.role == "assistant" and msg.content == exp.text
     assert r.usage.prompt_tokens == _chat_prompt_len(default_tokenizer) == exp.prompt_tokens
     assert r.usage.completion_tokens == exp.completion_tokens
+    assert (r.metadata if "metadata" in type(r).model_fields else r.model_extra["metadata"]) == {
+        "weight_version": "default"
+    }  # SGLang's: the weights that produced it
     again = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0
     )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import aiohttp
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -80,6 +81,13 @@ async def test_update_weights_from_disk_through_the_server(rollout_server):
         outs = [await generate(s, url, p) for p in PROMPTS]
         assert [o["output_ids"] for o in outs] == want_b
         assert {o["meta_info"]["weight_version"] for o in outs} == {"s1"}
+        # OpenAI responses (non-streaming) carry it in SGLang's `metadata`
+        async with s.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        completion = await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+        assert completion.model_extra["metadata"] == {"weight_version": "s1"}
+        await client.close()
         async with s.get(url + "/get_model_info") as r:
             assert (await r.json())["weight_version"] == "s1"
         async with s.get(url + "/get_server_info") as r:
