@@ -175,7 +175,7 @@ def test_hf_folder_tokenizer(tmp_path, default_tokenizer):
 # --------------------------------------------------------------------------- tiny GGUF files
 
 # HF module -> GGUF name, written out independently of the loader's own table.
-_HF_TO_GGUF = {
+HF_TO_GGUF = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
     "lm_head": "output",
@@ -193,12 +193,12 @@ _HF_TO_GGUF = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str) -> str:
     module, kind = hf_name.rsplit(".", 1)
     if module.startswith("model.layers."):
         _, _, idx, rest = module.split(".", 3)
-        return f"blk.{idx}.{_HF_TO_GGUF[rest]}.{kind}"
-    return f"{_HF_TO_GGUF[module]}.{kind}"
+        return f"blk.{idx}.{HF_TO_GGUF[rest]}.{kind}"
+    return f"{HF_TO_GGUF[module]}.{kind}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -240,9 +240,9 @@ def _write_gguf(path, model, arch: str, extra: dict[str, np.ndarray] | None = No
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         qtype = _qtype_for(hf_name, data)
         if qtype is None:
-            w.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(data))
+            w.add_tensor(gguf_name(hf_name), np.ascontiguousarray(data))
         else:
-            w.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(hf_name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     for name, data in (extra or {}).items():
         w.add_tensor(name, data)
     w.write_header_to_file()

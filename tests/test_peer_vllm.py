@@ -34,6 +34,8 @@ from bench.workloads import Result, Workload, make_workload
 from engine import resolve_model
 from tests.server_helpers import free_port
 from tests.test_bench_peer import fake_llama_server  # noqa: F401 (a fixture)
+from tests.test_loader import COMMON as TINY  # the suite's tiny Llama shape
+from tests.test_loader import gguf_name
 
 # ---------------------------------------------------------------------------- workloads, driver
 
@@ -212,39 +214,6 @@ def test_offline_reports_every_peer_with_our_ratio(fake_llama_server, tmp_path, 
 
 
 # ---------------------------------------------------------------------------- GGUF -> bf16 folder
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
-GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    module, kind = hf_name.rsplit(".", 1)
-    if module.startswith("model.layers."):
-        _, _, idx, rest = module.split(".", 3)
-        return f"blk.{idx}.{GGUF_NAMES[rest]}.{kind}"
-    return f"{GGUF_NAMES[module]}.{kind}"
 
 
 def write_tiny_gguf(path, tied: bool) -> None:
