@@ -7,6 +7,7 @@
   Mixtral (its `block_sparse_moe.experts.<e>.w1/w2/w3` names) top-2 of 8 with a sliding window of
   12, and top-3 of 4, tied.
 - TP=2: every rank holds its slice of every expert; the tokens stay transformers'.
+- bf16: greedy tokens are transformers' top choices (teacher-forced, within bf16's resolution).
 - The grouped experts (tokens sorted by expert, one GEMM pair per expert) equal a per-token loop.
 - A checkpoint missing an expert is a ModelLoadError naming it; LoRA on a MoE model is refused at
   start-up; `update_weights_from_tensor` takes expert tensors (per-expert checkpoint names).
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
+from bench.gpu_parity import teacher_forced
 from engine import SyncScheduler
 from engine.distributed.parallel_state import TPGroup
 from engine.errors import InvalidServerArgsError, ModelLoadError
@@ -29,6 +31,7 @@ from engine.model_config import QK_NORM_HEAD, ModelConfig
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.test_model_families import (
+    BF16_SHAPE,
     COMMON,
     assert_scheduler_matches_transformers,
     assert_tp2_matches_transformers,
@@ -38,6 +41,7 @@ from tests.test_model_families import (
 )
 
 INIT = (0.3, 0.5, 1.5, 0.3)  # (matrices' std, 1-D params' uniform range, embedding std)
+BF16_INIT = (0.08, 0.1, 0.4, 2.0)  # spread logits: tiny bf16 models are near-tie-prone
 QWEN = dict(COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 MIXTRAL = dict(COMMON, intermediate_size=32)
 
@@ -166,3 +170,29 @@ def test_update_weights_from_tensor_takes_expert_tensors(tmp_path):
 def test_tp2_qwen3moe_greedy_tokens_equal_transformers(tmp_path):
     hf = save_random_model(FAMILIES["qwen3moe-dense-layer-tied"](), INIT, tmp_path)
     assert_tp2_matches_transformers(str(tmp_path), hf)
+
+
+BF16_FAMILIES = {
+    "qwen3moe": lambda: Qwen3MoeConfig(
+        **BF16_SHAPE, head_dim=64, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    ),
+    "mixtral": lambda: MixtralConfig(**BF16_SHAPE, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("name", list(BF16_FAMILIES))
+def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
+    """bf16, the engine's default dtype on a CPU: the experts' stacked weights and the router in
+    bf16, a batch of prompts decoded together (expert groups of several tokens); every greedy
+    token is transformers' top choice on our own sequence, or within bf16's resolution of it."""
+    hf = save_random_model(BF16_FAMILIES[name](), BF16_INIT, tmp_path)  # fp32 reference, same weights
+    runner = ModelRunner(family_args(str(tmp_path), dtype="bfloat16", chunked_prefill_size=None))
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moe) == BF16_SHAPE["num_hidden_layers"] and all(m.w13.dtype == torch.bfloat16 for m in moe)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, BF16_SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (4, 37, 12, 60, 20, 90)]
+    sched = SyncScheduler(runner)
+    reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=24)) for p in prompts]
+    sched.run_until_idle()
+    bar = teacher_forced(hf, prompts, [r.output_ids for r in reqs])
+    assert bar["ok"], f"{name}: {bar}"
