@@ -159,7 +159,8 @@ class FakeClock:
 def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
     """measure_small_step_threads times the model's one-row pass with each count, alternately,
     and keeps every core for small forwards only where that saves more than the event loop's
-    interruptions cost; the forward thread's count is restored."""
+    interruptions cost; the forward thread's count is restored; a model loaded again in the
+    process is answered from its first measurement."""
     from engine.device import step_threads
 
     clock = FakeClock(cost_s)
@@ -171,6 +172,12 @@ def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
         assert torch.get_num_threads() == 2
         assert clock.calls[:4] == [1, 2, 1, 2]  # warm-up with each, then alternating
         assert step_threads.measure_small_step_threads(clock.one_row_pass, 1) == 1  # nothing to choose
+        monkeypatch.setattr(step_threads, "_measured", {})
+        assert step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("model",)) == want
+        calls = len(clock.calls)
+        clock.cost_s = {1: 0.2, 2: 0.1} if want == 1 else {1: 0.1, 2: 0.1}  # would now choose the other
+        assert step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("model",)) == want
+        assert len(clock.calls) == calls  # the same model again in this process: not re-measured
     finally:
         torch.set_num_threads(before)
 

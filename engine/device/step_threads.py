@@ -13,7 +13,7 @@ adds dwarfs any wait for the event loop. So the choice is measured per model at 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from time import perf_counter
 
 import torch
@@ -56,14 +56,21 @@ class StepThreads:
             torch.set_num_threads(want)
 
 
-def measure_small_step_threads(one_row_pass: Callable[[], object], full: int) -> int:
+_measured: dict[tuple, int] = {}  # (the pass's key, full) -> the choice, per process
+
+
+def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, key: Hashable = None) -> int:
     """The threads small forwards should run with: `full`, or `full - 1` where every core saves
     less than EVENT_LOOP_MARGIN_S per step. `one_row_pass` runs a one-token step's weight reads
     (every projection of the model on one row); it is timed with both counts, alternately (noise
     on a shared machine only ever adds time, and alternation exposes both counts to it), the
-    minimum of each kept. Must run on the forward's own thread, whose count it restores."""
+    minimum of each kept. Must run on the forward's own thread, whose count it restores. A
+    `key` (the model's projection forms and shapes) answers a later load of the same model in
+    this process from the first measurement (a test suite starts hundreds of engines)."""
     if full <= 1:
         return full
+    if key is not None and (key, full) in _measured:
+        return _measured[key, full]
     started = perf_counter()
     best = {full - 1: float("inf"), full: float("inf")}
     try:
@@ -82,6 +89,8 @@ def measure_small_step_threads(one_row_pass: Callable[[], object], full: int) ->
     finally:
         torch.set_num_threads(full)
     choice = full if best[full - 1] - best[full] >= EVENT_LOOP_MARGIN_S else full - 1
+    if key is not None:
+        _measured[key, full] = choice
     log.info(
         "small forwards: %d threads (one-row pass %.1f ms with %d, %.1f ms with %d; measured in %.2f s)",
         choice,

@@ -215,10 +215,11 @@ def finalize_linear(
     return QuantLinear(packed, big, q4_max_rows)
 
 
-def one_row_pass(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+def one_row_pass(model: nn.Module, dtype: torch.dtype) -> tuple[Callable[[], None], tuple]:
     """A call that runs every projection of `model` on one row of zeros, each in the form a
     one-token step runs it as: a decode step's weight reads (engine/device/step_threads.py times
-    it to choose a small forward's threads)."""
+    it to choose a small forward's threads); and a key of those forms and shapes (equal for two
+    loads of one model)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     inner = {id(sub) for m in linears for sub in m.modules() if sub is not m}  # a QuantLinear's dense form
     linears = [m for m in linears if id(m) not in inner]
@@ -229,4 +230,5 @@ def one_row_pass(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
         for m in linears:
             m(inputs[m.in_features])
 
-    return run
+    key = tuple((type(m).__name__, getattr(m, "max_rows", None), m.in_features, m.out_features) for m in linears)
+    return run, (str(dtype), key)

@@ -147,9 +147,10 @@ class ModelRunner(RunnerWeights):
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
         if self.device.type == "cpu":  # this (the forward's) thread's count, before the event loop sets its own
             cpu_extension.adopt_thread_count()
-        small = (
-            measure_small_step_threads(one_row_pass(self.model, self.dtype), torch.get_num_threads()) if adapt else None
-        )
+        small = None
+        if adapt:
+            run, key = one_row_pass(self.model, self.dtype)
+            small = measure_small_step_threads(run, torch.get_num_threads(), key)
         self.step_threads = StepThreads(pin_extend=deterministic, small=small) if adapt else None
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
