@@ -101,8 +101,8 @@ class CpuDeviceStream(DeviceStream):
             torch.get_num_threads()
             torch.set_num_threads(self._torch_threads)
             # Our C++ kernels' library has its own copy of that lazy init: settle it too where the
-            # library is already loaded (a second engine in this process); the first one
-            # loads it with the model, and ModelRunner settles it then.
+            # library is already loaded (a second engine in this process); otherwise it loads with
+            # the model, on this thread, and `cpu_extension.load` settles it then.
             cpu_extension.adopt_thread_count()
         while True:
             job = self._queue.get()

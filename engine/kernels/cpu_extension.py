@@ -67,7 +67,9 @@ def enabled() -> bool:
 
 
 def load() -> ModuleType | None:
-    """The compiled module, building it on the first call; None when it cannot be built."""
+    """The compiled module, building it on the first call; None when it cannot be built. The
+    loading thread (the engine's forward thread, building its model) has its count settled at
+    once (`adopt_thread_count`)."""
     global _module, _tried
     if not enabled():
         return None
@@ -81,6 +83,7 @@ def load() -> ModuleType | None:
                 log.warning("CPU kernels unavailable, using the torch paths: %s", e)
                 _module = None
             _tried = True
+            adopt_thread_count()
     return _module
 
 
@@ -101,8 +104,8 @@ def adopt_thread_count() -> None:
     count, the last `torch.set_num_threads` of any thread: the engine's event-loop thread sets
     itself 1 after the model loads, so a forward thread whose first kernel call came later ran
     every later forward on one thread (a 1B model's decode step: ~280 ms instead of ~140).
-    Call it on the forward thread once its count is set, before another thread sets its own;
-    a no-op without the kernels."""
+    `load` calls it on the loading thread, `CpuDeviceStream` on a forward thread started once the
+    library is loaded; a no-op without the kernels."""
     module = _module if _tried else None  # only a module some layer already loaded
     if module is not None and hasattr(module, "num_threads"):
         torch.set_num_threads(torch.get_num_threads())  # torch's process-wide count := this thread's

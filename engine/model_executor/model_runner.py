@@ -28,7 +28,6 @@ from engine.device.step_threads import StepThreads, measure_small_step_threads
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
 from engine.errors import InvalidServerArgsError, ModelLoadError
-from engine.kernels import cpu_extension
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
@@ -145,8 +144,6 @@ class ModelRunner(RunnerWeights):
         # (`StepThreads`, measured per model); a user's explicit `torch_threads` is kept for every forward, and a
         # worker rank has no event loop to make room for.
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
-        if self.device.type == "cpu":  # this (the forward's) thread's count, before the event loop sets its own
-            cpu_extension.adopt_thread_count()
         small = None
         if adapt:
             run, key = one_row_pass(self.model, self.dtype)
