@@ -167,8 +167,8 @@ class ServerArgs:
     # request by name (`lora_path`); a forward mixes the base model and up to max_loras_per_batch
     # adapters, resident in a device pool; max_loaded_loras bounds those kept on the host.
     # max_lora_rank None: the largest rank among lora_paths (16 without any); lora_target_modules
-    # None: the modules lora_paths adapt (every one without any). Not under tensor parallelism or
-    # speculative decoding (refused at start-up).
+    # None: the modules lora_paths adapt (every one without any). Under tensor parallelism each
+    # rank holds its shard of the adapters (their paths must exist on every host).
     enable_lora: bool = False
     lora_paths: list[str] | None = None
     max_loras_per_batch: int = 8
@@ -285,13 +285,6 @@ class ServerArgs:
                 fail(name, "a list of non-empty strings")
         if self.max_loaded_loras is not None and len(self.lora_paths or ()) > self.max_loaded_loras:
             fail("max_loaded_loras", f"at least the {len(self.lora_paths or ())} adapters of lora_paths")
-        if not self.enable_lora:
-            return
-        # Neither path applies the adapters yet: refused rather than served without them.
-        if self.tp_size > 1:
-            fail("tp_size", "1 with enable_lora (LoRA under tensor parallelism is not supported yet)")
-        if self.speculative_algorithm is not None:
-            fail("speculative_algorithm", "None with enable_lora (LoRA with speculative decoding is not supported yet)")
 
     def check_context_length(self, model_context_len: int) -> int:
         """The context length to serve: the model's, or a shorter `context_length`; a longer one

@@ -66,14 +66,14 @@ def phi3_base(seed: int = 0) -> Phi3ForCausalLM:
     return Phi3ForCausalLM(hf).eval()
 
 
-def wrap(base, name: str, lora_kwargs: dict, seed: int) -> PeftModel:
-    """`base` (copied) with one LoRA adapter whose A and B are seeded random draws."""
+def wrap(base, name: str, lora_kwargs: dict, seed: int, scale: float = 0.3) -> PeftModel:
+    """`base` (copied) with one LoRA adapter whose A and B are seeded random draws (std `scale`)."""
     model = get_peft_model(copy.deepcopy(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if ".lora_A." in pname or ".lora_B." in pname:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
     return model.eval()
 
 

@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 from engine import Engine, SamplingParams
 from engine.errors import InvalidRequestError, InvalidServerArgsError
 from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
-from tests.sched_harness import build_tiny_folder
+from tests.sched_harness import build_tiny_folder, make_tiny_llama
 
 NAMES = ("all", "rslora", "patterns")
 NEW_TOKENS = 6
@@ -197,14 +197,74 @@ async def test_aborts_keep_memory_and_pins_clean(lora_setup):
         await assert_clean(engine)
 
 
+@pytest.fixture(scope="module")
+def repeating_lora_setup(tmp_path_factory, default_tokenizer):
+    """A tiny Llama that mostly repeats its current token (damped attention and MLP outputs) and
+    weak adapters (std 0.05): their outputs differ from the base's and still fall into repeats,
+    so n-gram drafts get accepted."""
+    root = tmp_path_factory.mktemp("lora-repeating")
+    folder = make_tiny_llama(root / "base", len(default_tokenizer), tie_word_embeddings=True,
+                             damped=("o_proj.weight", "down_proj.weight"))  # fmt: skip
+    default_tokenizer.save_pretrained(folder)
+    base = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    models, paths = {None: base}, {}
+    for i, name in enumerate(("all", "patterns")):
+        models[name] = wrap(base, name, LLAMA_ADAPTERS[name], seed=200 + i, scale=0.05)
+        paths[name] = str(root / name)
+        models[name].save_pretrained(paths[name])
+    return str(folder), paths, models
+
+
+async def test_speculative_decoding_with_adapters_matches_peft(repeating_lora_setup):
+    """N-gram drafts are verified through each request's adapter, in a verify forward that
+    mixes the base and two adapters: the tokens are PEFT's, and adapter requests had drafts
+    accepted."""
+    folder, paths, models = repeating_lora_setup
+    rng = random.Random(11)
+    ps = [[rng.randrange(100, 40000) for _ in range(6)] * 4 for _ in range(6)]
+    names = [None, "all", "patterns"] * 2
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    async with lora_engine(folder, paths, speculative_algorithm="NGRAM") as engine:
+        outs = await asyncio.gather(*(engine.generate(p, sp, lora_path=n) for p, n in zip(ps, names)))
+        await assert_clean(engine)
+    for p, n, out in zip(ps, names, outs):
+        want = greedy(models[n], p, 24)
+        assert out.token_ids == want, f"adapter {n}"
+        assert n is None or want != greedy(models[None], p, 24)  # the adapter changes the output
+    assert sum(o.spec_accepted_tokens or 0 for o, n in zip(outs, names) if n is not None) > 0
+
+
+async def test_default_model_tp3_adapters_match_peft(tmp_path, hf_default_model, default_tokenizer):
+    """tp_size=3 on the default model: each rank holds its shard of every slot, and rank 0's slot
+    changes (swaps forced by max_loras_per_batch=1, a run-time load and unload) are replayed on
+    the others; fp32 greedy tokens are transformers + PEFT's."""
+    models, paths = {None: hf_default_model}, {}
+    for i, name in enumerate(NAMES):
+        models[name] = wrap(hf_default_model, name, LLAMA_ADAPTERS[name], seed=300 + i, scale=0.08)
+        paths[name] = str(tmp_path / name)
+        models[name].save_pretrained(paths[name])
+    texts = ["The capital of France is", "def fibonacci(n):", "List colors:", "Once upon a time"]
+    ps = [default_tokenizer.encode(t) for t in texts] * 2
+    names = [None, "all", "rslora", "all", "rslora", None, "all", "rslora"]
+    async with lora_engine("smollm2-135m", {k: paths[k] for k in ("all", "rslora")}, tp_size=3, torch_threads=None,
+                           max_loras_per_batch=1, max_lora_rank=8, lora_target_modules=["all"]) as engine:  # fmt: skip
+        outs = await asyncio.gather(*(engine.generate(p, SP, lora_path=n) for p, n in zip(ps, names)))
+        differs = 0
+        for p, n, out in zip(ps, names, outs):
+            want = greedy(models[n], p)
+            assert out.token_ids == want, f"adapter {n}"
+            differs += n is not None and want != greedy(models[None], p)
+        assert differs >= 3  # the adapters really change the outputs
+        assert await engine.unload_lora_adapter("all") == ["rslora"]
+        assert await engine.load_lora_adapter("patterns", paths["patterns"]) == ["patterns", "rslora"]
+        out = await engine.generate(ps[0], SP, lora_path="patterns")
+        assert out.token_ids == greedy(models["patterns"], ps[0])
+        await assert_clean(engine)
+        assert len((await engine.get_internal_state())["tensor_parallel"]) == 3
+
+
 def test_refused_combinations():
     from engine import ServerArgs
 
-    with pytest.raises(InvalidServerArgsError) as e:
-        ServerArgs(enable_lora=True, tp_size=2).verify()
-    assert e.value.param == "tp_size"
-    with pytest.raises(InvalidServerArgsError) as e:
-        ServerArgs(lora_paths=["a=/x"], speculative_algorithm="NGRAM").verify()
-    assert e.value.param == "speculative_algorithm"
     with pytest.raises(InvalidServerArgsError):
         ServerArgs(enable_lora=True, max_loras_per_batch=0).verify()

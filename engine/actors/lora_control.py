@@ -32,10 +32,10 @@ class LoRAControlActions:
             if msg.action == "load":
                 if msg.path is None:
                     raise InvalidRequestError("loading a LoRA adapter needs its path", "lora_path")
-                handle = self.stream.launch(manager.load_adapter, msg.name, msg.path)
+                handle = self.stream.launch(sched.runner.load_lora_adapter, msg.name, msg.path)
             elif msg.action == "unload":
                 sched.lora.unload(msg.name, sched.reqs_by_rid.values(), sched.tree_cache)
-                handle = self.stream.launch(manager.apply_pending)
+                handle = self.stream.launch(sched.runner.apply_lora_changes)
             else:
                 raise InvalidRequestError(f"unknown LoRA action {msg.action!r} (load or unload)", "action")
         except InvalidRequestError as e:

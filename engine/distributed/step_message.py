@@ -32,6 +32,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
     prompt_logprob_rows: list[int]  # rows rank 0 scores (engine/model_executor/prompt_logprobs.py)
     sampled: bool  # rank 0 samples and broadcasts the ids after this forward
     writes: list[TableWrite]
+    lora_slots: list[int] | None = None  # each request's LoRA pool slot (ModelWorkerBatch.lora_slots)
 
     @classmethod
     def of(cls, batch: ModelWorkerBatch, writes: list[TableWrite], sampled: bool) -> TPStep:
@@ -48,6 +49,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
             prompt_logprob_rows=batch.prompt_logprobs.rows if batch.prompt_logprobs is not None else [],
             sampled=sampled,
             writes=writes,
+            lora_slots=batch.lora_slots,
         )
 
     def worker_batch(self) -> ModelWorkerBatch:
@@ -68,6 +70,7 @@ class TPStep(msgspec.Struct, tag="step", array_like=True):
             mixed_decode_rows=self.mixed_decode_rows,
             return_prompt_logits=self.return_prompt_logits,
             prompt_logprobs=(PromptLogprobPlan(self.prompt_logprob_rows, [], []) if self.prompt_logprob_rows else None),
+            lora_slots=self.lora_slots,
         )
 
 
@@ -93,7 +96,8 @@ class TPUpdateTensors(msgspec.Struct, tag="update_tensors", array_like=True):
 
 class TPRunnerCall(msgspec.Struct, tag="call", array_like=True):
     """Rank 0 makes this ModelRunner call between forwards: every rank makes it (one of
-    `RANK_CALLS`: memory release / resume, a trainer's weight-update group)."""
+    `RANK_CALLS`: memory release / resume, a trainer's weight-update group, LoRA adapters and
+    pool slots)."""
 
     method: str
     kwargs: dict[str, Any]
@@ -105,6 +109,8 @@ RANK_CALLS = (
     "init_weights_update_group",
     "update_weights_from_distributed",
     "destroy_weights_update_group",
+    "load_lora_adapter",
+    "apply_lora_changes",
 )
 
 TPMessage = TPStep | TPStop | TPUpdateWeights | TPUpdateTensors | TPRunnerCall

@@ -196,7 +196,7 @@ class LoRAPool:
         self.check(adapter, name)
         slot = self._free.pop() if self._free else self._evict()
         try:
-            self._write(slot, adapter)
+            self._write(slot, adapter, name)
         except BaseException:
             self._clear(slot)
             self._free.append(slot)
@@ -250,8 +250,9 @@ class LoRAPool:
         for weights in self.buffers.values():
             weights.clear(slot)
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy this rank's shard of every module of `adapter` into `slot` (the slot is all zeros)."""
+    def _write(self, slot: int, adapter: LoRAAdapter, name: str = "") -> None:
+        """Copy this rank's shard of every module of `adapter` (registered as `name`) into `slot`
+        (the slot is all zeros)."""
         r = self.max_lora_rank
         for (layer, module), m in adapter.modules.items():
             projection, part = projection_of(module)

@@ -14,12 +14,19 @@ write lands after every forward launched before the decision that caused it.
 Loading an adapter folder (disk reads, checks) runs on the device stream too (`load_adapter`),
 off the event loop; unloading is the scheduler's decision (engine/scheduler/lora_admission.py)
 followed by `apply_pending` on the stream.
+
+Under tensor parallelism every rank holds its shard of the same slots (engine/lora/projections.py)
+and the same registry; only rank 0 has a scheduler. So rank 0's runner sends every rank-changing
+call to the others first (ModelRunner `load_lora_adapter`, `apply_lora_changes`): a load reads the
+folder on each rank (the adapter's path must exist on every host), and `apply_pending` returns
+what it did by adapter name (`LoRAChanges`), which the others replay before the same forward.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,37 +51,75 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LORA_RANK = 16  # without --max-lora-rank and without adapters at start-up (SGLang's)
 
 
+@dataclass
+class LoRAChanges:
+    """What one `apply_pending` did, by adapter name: the other tensor-parallel ranks replay it
+    (`LoRAManager.apply_changes`) on their own shards and registries."""
+
+    slots: list[tuple[int, str | None]] = field(default_factory=list)  # in order: written (name) or cleared (None)
+    forgotten: list[str] = field(default_factory=list)  # names the registry dropped (unloaded)
+
+    def __bool__(self) -> bool:
+        return bool(self.slots or self.forgotten)
+
+
 class StreamOrderedPool(LoRAPool):
     """A `LoRAPool` whose bookkeeping runs on the scheduler's thread and whose buffer writes run
     on the device stream (`apply_pending`; see the module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self._pending: list[tuple[int, LoRAAdapter | None]] = []  # (slot, adapter or None: clear)
+        self._pending: list[tuple[int, str, LoRAAdapter | None]] = []  # (slot, name, adapter or None: clear)
         self._lock = threading.Lock()
         self._on_device: set[int] = set()  # slots whose adapter the buffers hold now
         super().__init__(*args, **kwargs)
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _write(self, slot: int, adapter: LoRAAdapter, name: str = "") -> None:
         with self._lock:
-            self._pending.append((slot, adapter))
+            self._pending.append((slot, name, adapter))
 
     def _clear(self, slot: int) -> None:
         with self._lock:
-            self._pending.append((slot, None))
+            self._pending.append((slot, "", None))
 
     def slot_active(self, slot: int) -> bool:
         return slot in self._on_device  # read by LoRABatchInfo.build, on the device stream
 
-    def apply_pending(self) -> None:
-        """On the device stream: the slot writes and clears decided so far, in order."""
+    def apply_pending(self) -> list[tuple[int, str | None]]:
+        """On the device stream: the slot writes and clears decided so far, in order; what was
+        done, by name (`LoRAChanges.slots`)."""
         with self._lock:
             ops, self._pending = self._pending, []
-        for slot, adapter in ops:
-            LoRAPool._clear(self, slot)
-            self._on_device.discard(slot)
-            if adapter is not None:
-                LoRAPool._write(self, slot, adapter)
-                self._on_device.add(slot)
+        for slot, _, adapter in ops:
+            self.apply_slot(slot, adapter)
+        return [(slot, name if adapter is not None else None) for slot, name, adapter in ops]
+
+    def apply_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """On the device stream: clear `slot`, then write `adapter` (None: leave it empty)."""
+        LoRAPool._clear(self, slot)
+        self._on_device.discard(slot)
+        if adapter is not None:
+            LoRAPool._write(self, slot, adapter)
+            self._on_device.add(slot)
+
+
+class RecordingRegistry(LoRARegistry):
+    """A registry that remembers the names it drops (on the scheduler's thread) until the device
+    stream collects them for the other tensor-parallel ranks (`take_removed`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._removed: list[str] = []
+        self._lock = threading.Lock()
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        with self._lock:
+            self._removed.append(name)
+
+    def take_removed(self) -> list[str]:
+        with self._lock:
+            removed, self._removed = self._removed, []
+        return removed
 
 
 class LoRAManager:
@@ -84,7 +129,7 @@ class LoRAManager:
         self, args: ServerArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard
     ) -> None:
         self.max_loras_per_batch = args.max_loras_per_batch
-        self.registry = LoRARegistry(cfg, args.max_loaded_loras, dtype)
+        self.registry = RecordingRegistry(cfg, args.max_loaded_loras, dtype)
         paths = parse_lora_paths(args.lora_paths or ())
         initial = {name: load_adapter(path, cfg, dtype) for name, path in paths.items()}
         rank = args.max_lora_rank
@@ -135,9 +180,8 @@ class LoRAManager:
         return {name: self.registry.cache_key(name) for name in self.registry.names}
 
     def batch_info(self, batch: ModelWorkerBatch) -> LoRABatchInfo | None:
-        """On the device stream, before the forward: pending slot writes, then the batch's LoRA
-        view (None when no request uses an adapter: the forward runs as without LoRA)."""
-        self.pool.apply_pending()
+        """On the device stream, after `apply_pending`: the batch's LoRA view (None when no
+        request uses an adapter: the forward runs as without LoRA)."""
         slots = batch.lora_slots
         if slots is None or all(s == BASE_SLOT for s in slots):
             return None
@@ -154,5 +198,15 @@ class LoRAManager:
         log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.max_rank)
         return self.registry.cache_key(name)
 
-    def apply_pending(self) -> None:
-        self.pool.apply_pending()
+    def apply_pending(self) -> LoRAChanges:
+        """On the device stream: the slot writes and clears decided since the last call; what was
+        done, for the other tensor-parallel ranks."""
+        return LoRAChanges(self.pool.apply_pending(), self.registry.take_removed())
+
+    def apply_changes(self, slots: list[tuple[int, str | None]], forgotten: list[str]) -> None:
+        """A tensor-parallel rank other than 0: replay rank 0's `LoRAChanges` on this rank's
+        shard (the adapters were registered here as there: `load_adapter` runs on every rank)."""
+        for slot, name in slots:
+            self.pool.apply_slot(slot, None if name is None else self.registry.get(name))
+        for name in forgotten:
+            LoRARegistry.remove(self.registry, name)

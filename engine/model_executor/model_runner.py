@@ -27,7 +27,7 @@ from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAlloc
 from engine.device.step_threads import StepThreads, measure_small_step_threads
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
-from engine.errors import InvalidServerArgsError, ModelLoadError
+from engine.errors import InvalidRequestError, InvalidServerArgsError, ModelLoadError
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
@@ -311,6 +311,7 @@ class ModelRunner(RunnerWeights):
         """(logits, whether they are a view of the graph runner's static buffer, overwritten by the
         next replay, the ForwardBatch). Decode batches that fit replay a CUDA graph; everything
         else runs eagerly. Under tensor parallelism the other ranks get the step first."""
+        self.apply_lora_changes()  # the slots as the scheduler left them, on every rank
         if self.tp.size > 1:
             self.tp.broadcast_bytes(encode(TPStep.of(batch, self.req_to_token_pool.take_writes(), sampled)))
         fb = self.init_forward_batch(batch)
@@ -320,6 +321,30 @@ class ModelRunner(RunnerWeights):
         logits = self.model(fb)
         assert logits is not None  # rank 0 always gets the gathered logits
         return logits, False, fb
+
+    # ---- multi-LoRA (lora_manager.py): calls every rank makes, rank 0 first -----------------------
+
+    def load_lora_adapter(self, name: str, path: str) -> int:
+        """On the device stream: register the PEFT adapter at `path` as `name` (every rank reads
+        it); its radix cache key."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora)", "lora_name")
+        self._tell_ranks("load_lora_adapter", name=name, path=path)
+        return self.lora.load_adapter(name, path)
+
+    def apply_lora_changes(
+        self, slots: list[tuple[int, str | None]] | None = None, forgotten: list[str] | None = None
+    ) -> None:
+        """On the device stream: the LoRA slot writes and clears the scheduler decided since the
+        last call. Rank 0 applies its own and has the other ranks replay them (`slots`, `forgotten`)."""
+        if self.lora is None:
+            return
+        if not self.tp.is_driver:
+            self.lora.apply_changes(slots or [], forgotten or [])
+            return
+        changes = self.lora.apply_pending()
+        if changes:
+            self._tell_ranks("apply_lora_changes", slots=changes.slots, forgotten=changes.forgotten)
 
     def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
         """float32 logits of one forward, in a tensor of their own (safe to keep across steps)."""
