@@ -16,7 +16,11 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine import Engine, SamplingParams
+from engine.actors.messages import TokenizedGenerateReq
 from engine.errors import InvalidRequestError, InvalidServerArgsError
+from engine.recorder.events import RecvEvent
+from engine.recorder.replay import replay
+from engine.recorder.ring import load_dump
 from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
 from tests.sched_harness import build_tiny_folder, make_tiny_llama
 
@@ -261,6 +265,31 @@ async def test_default_model_tp3_adapters_match_peft(tmp_path, hf_default_model,
         assert out.token_ids == greedy(models["patterns"], ps[0])
         await assert_clean(engine)
         assert len((await engine.get_internal_state())["tensor_parallel"]) == 3
+
+
+async def test_a_run_with_adapters_replays_from_the_flight_recorder(lora_setup, tmp_path):
+    """The dump records each request's adapter; replay rebuilds the pool's slots and pins
+    (max_loras_per_batch=2 < 3 adapters: swaps), an adapter's own radix hits, and a run-time
+    unload (its cached prefixes freed) and load, with no divergence."""
+    folder, paths, _ = lora_setup
+    ps = prompts(10, seed=13)
+    names = [(None, *NAMES)[i % 4] for i in range(len(ps))]
+    opts = dict(max_loras_per_batch=2, chunked_prefill_size=16, flight_recorder_dir=str(tmp_path))
+    async with lora_engine(folder, paths, **opts) as engine:
+        await asyncio.gather(*(engine.generate(p, SP, lora_path=n) for p, n in zip(ps, names)))
+        assert (await engine.generate(ps[1], SP, lora_path=names[1])).cached_tokens > 0
+        await engine.unload_lora_adapter(names[1])
+        await engine.load_lora_adapter(names[1], paths[names[1]])
+        again = await asyncio.gather(*(engine.generate(p, SP, lora_path=n) for p, n in zip(ps[:6], names[:6])))
+        assert again[1].cached_tokens == 0 and again[2].cached_tokens > 0
+        path = engine.dump_flight_recorder("lora")
+    dump = load_dump(path)
+    reqs = [e.msg for e in dump.events if isinstance(e, RecvEvent) and isinstance(e.msg, TokenizedGenerateReq)]
+    adapters = {r.rid: r.lora_path for r in reqs}  # each request is recorded where each actor took it
+    assert len(adapters) == 17 and set(adapters.values()) == {None, *NAMES}
+    report = replay(path)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.requests == 17 and report.steps > 10
 
 
 def test_refused_combinations():

@@ -3,8 +3,9 @@
 The scheduler's decisions are a function of the messages its two actors received, in the order
 they received them, and of the tokens the model sampled. A dump has all of that (engine/recorder/
 events.py), so replay rebuilds the same `Scheduler`, `OverlapScheduler` and `PrefillAdderActor`
-(not started: no event loop, no device) from the recorded options and memory shape, and walks the
-events in order:
+(not started: no event loop, no device) from the recorded options and memory shape (the model
+runner's stand-in, with the LoRA pool's slots when adapters were served: recorder/stand_in.py),
+and walks the events in order:
 
 * a message the scheduler or the PrefillAdder received is handed to its `handle_message`. Messages
   from outside the two (new requests, aborts, control calls, queue lengths) are taken from the
@@ -34,7 +35,6 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -53,8 +53,8 @@ from engine.actors.messages import (
 )
 from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
-from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.constrained import GrammarBackend
+from engine.errors import InvalidRequestError
 from engine.model_executor.model_runner import GenerationBatchResult
 from engine.models.loader import resolve_model
 from engine.recorder.events import (
@@ -75,6 +75,7 @@ from engine.recorder.events import (
     recorded_form,
 )
 from engine.recorder.ring import FlightRecorder, load_dump
+from engine.recorder.stand_in import stand_in_runner
 from engine.sampling import SamplerOutput
 from engine.scheduler.launched import LaunchedBatch
 from engine.scheduler.scheduler import Scheduler
@@ -151,18 +152,6 @@ class _DecisionLog(FlightRecorder):
         self.produced.append(event)
 
 
-def _stand_in_runner(header: Header, args: ServerArgs) -> SimpleNamespace:
-    """What `Scheduler` reads of a ModelRunner: memory of the recorded shape, the model's facts."""
-    cfg = SimpleNamespace(vocab_size=header.vocab_size, eos_token_ids=frozenset(header.eos_token_ids))
-    return SimpleNamespace(
-        args=args,
-        model_config=cfg,
-        context_len=header.context_len,
-        req_to_token_pool=ReqToTokenPool(header.req_pool_rows, header.req_pool_width),
-        token_to_kv_pool_allocator=TokenToKVPoolAllocator(header.kv_pool_slots, header.page_size),
-    )
-
-
 def _server_args(header: Header, overrides: dict[str, Any]) -> ServerArgs:
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     values = {k: v for k, v in header.args.items() if k in known}  # a newer/older build's extras go
@@ -184,7 +173,7 @@ class Replayer:
         self.dump, self.context = dump, context
         header = dump.header
         args = _server_args(header, overrides or {})
-        self.sched = Scheduler(_stand_in_runner(header, args), args)  # type: ignore[arg-type]
+        self.sched = Scheduler(stand_in_runner(header, args), args)  # type: ignore[arg-type]
         self.actor = OverlapScheduler(self.sched, None, header.enable_overlap)  # type: ignore[arg-type]
         alloc = self.sched.allocator
         self.adder = PrefillAdderActor(
@@ -268,6 +257,8 @@ class Replayer:
         if actor == ADDER:
             if isinstance(msg, TokenizedGenerateReq):
                 self.rids.add(msg.rid)
+                if msg.lora_path is not None:
+                    self.sched.runner.lora.registry.learn(msg.lora_path, msg.lora_key)
                 self.adder.handle_message(self._with_grammar(msg))
                 return None
             if isinstance(msg, (PlanPrefillRec, RequeueRec, AbortReq, StopStrMatched, AbortAllReq)):
@@ -280,7 +271,10 @@ class Replayer:
                     self.plan = self.actor.take_plan(PrefillPlanReply(reply.reply_id, reply.plan, msg.version))
 
                 return self._internal(self.to_scheduler, msg, take)
-            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq, LoRAAdapterReq)):
+            if isinstance(msg, LoRAAdapterReq):
+                self._lora(msg)
+                return None
+            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq)):
                 # applied between turns of the live loop, which replay does not run
                 raise ReplayError(f"the dump has a {type(msg).__name__}: rollout controls are not replayed yet")
             self.actor.handle_message(msg)
@@ -293,6 +287,21 @@ class Replayer:
             heads = [describe_out(b.sent[0]) for b in (self.sched_out, self.adder_out) if b.sent]  # type: ignore[arg-type]
             return "output the replayed actors did not send", recorded, heads
         return None
+
+    def _lora(self, msg: LoRAAdapterReq) -> None:
+        """A run-time adapter load or unload, as the scheduler actor takes it (lora_control.py):
+        a load only names the adapter (requests name it after the reply); an unload frees its
+        cached prefixes and slot now, or is refused as it was live (an adapter in use)."""
+        lora = self.sched.runner.lora
+        if lora is None:
+            return  # refused live: LoRA off
+        if msg.action == "load":
+            lora.registry.add(msg.name)
+        elif msg.action == "unload":
+            try:
+                self.sched.lora.unload(msg.name, self.sched.reqs_by_rid.values(), self.sched.tree_cache)
+            except InvalidRequestError:
+                pass
 
     def _internal(self, box: _Outbox, recorded: msgspec.Struct, handle: Any) -> tuple[str, Any, Any] | None:
         """A message one replayed actor sent the other: it must be the one the recording has."""
