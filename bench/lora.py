@@ -1,13 +1,15 @@
 """Multi-LoRA serving throughput against the base model alone, in one run:
 
-    python -m bench.lora [--adapters 1 4 16] [--rank 16] [--requests 64]
+    python -m bench.lora [--adapters 1 4 16] [--rank 16] [--max-loras-per-batch N]
 
 A W1-shaped workload (bench.offline's W1: 64 requests, prompts U[64, 512], outputs U[32, 256],
 greedy, EOS ignored) runs through our `Engine` on the base model, then with its requests spread
 round-robin over 1, 4 and 16 rank-`rank` adapters of the default model (every projection adapted,
 seeded random A and B, written in PEFT's format), each adapter count a fresh engine with the
 adapters given at start-up (`lora_paths`) and every other option at the engine's default
-(`max_loras_per_batch` 8: with 16 adapters the scheduler bounds the adapters per forward).
+(`max_loras_per_batch` 8: with 16 adapters the scheduler bounds the adapters per forward;
+`--max-loras-per-batch 16` is what a user serving 16 adapters at once would set). The base model
+runs before and after each adapter count, and each ratio is against the mean of those two.
 
 Prints output tok/s, the ratio to the base model, and the time LoRA adds to a decode step: the
 mean decode step (batches of 32-64 rows, from `Engine.recent_steps`) with adapters minus the
@@ -63,9 +65,12 @@ def write_adapter(folder: Path, hf_config, rank: int, seed: int) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(config))
 
 
-def run(model: str, wl, adapters: list[str], lora_paths: list[str] | None) -> tuple[float, float]:
+def run(
+    model: str, wl, adapters: list[str], lora_paths: list[str] | None, max_loras: int | None = None
+) -> tuple[float, float]:
     """(output tok/s, mean decode step in ms over batches of 32-64 rows) of `wl`."""
-    engine = Engine(model, dtype="bfloat16", max_running_requests=len(wl.prompts), lora_paths=lora_paths)
+    extra = {} if max_loras is None else {"max_loras_per_batch": max_loras}
+    engine = Engine(model, dtype="bfloat16", max_running_requests=len(wl.prompts), lora_paths=lora_paths, **extra)
 
     async def main() -> tuple[float, float]:
         async with engine:
@@ -95,12 +100,21 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-loras-per-batch", type=int, default=None, help="the engine's flag (default: the engine's default, 8)"
+    )
     args = ap.parse_args(argv)
     source = resolve_model(args.model_path)
     wl = make_workload("W1", source.hf_config.vocab_size, args.seed)
-    print(f"model={args.model_path} bf16 isa={cpu_isa()} rank={args.rank} requests={len(wl.prompts)}")
-    base_tps, base_step = run(args.model_path, wl, [], None)
-    print(f"  base model       : {base_tps:7.1f} tok/s, decode step {base_step:6.2f} ms", flush=True)
+    max_loras = args.max_loras_per_batch
+    print(
+        f"model={args.model_path} bf16 isa={cpu_isa()} rank={args.rank} requests={len(wl.prompts)} "
+        f"max_loras_per_batch={max_loras or 'default'}"
+    )
+    # The base model runs before and after each adapter count, and each ratio is against the mean
+    # of its two neighbours: a busy machine's speed drifts within a run.
+    base = [run(args.model_path, wl, [], None)]
+    print(f"  base model       : {base[0][0]:7.1f} tok/s, decode step {base[0][1]:6.2f} ms", flush=True)
     ratios: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.adapters:
@@ -108,13 +122,17 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
             for i, name in enumerate(names):
                 write_adapter(Path(tmp) / name, source.hf_config, args.rank, args.seed + i)
             paths = [f"{name}={Path(tmp) / name}" for name in names]
-            tps, step = run(args.model_path, wl, names, paths)
+            tps, step = run(args.model_path, wl, names, paths, max_loras)
+            base.append(run(args.model_path, wl, [], None))
+            base_tps = (base[-2][0] + base[-1][0]) / 2
+            base_step = (base[-2][1] + base[-1][1]) / 2
             ratios[n] = tps / base_tps
             print(
                 f"  {n:2d} adapter(s)     : {tps:7.1f} tok/s, {ratios[n]:.2f}x base, decode step {step:6.2f} ms "
                 f"(LoRA +{step - base_step:.2f} ms)",
                 flush=True,
             )
+            print(f"  base model       : {base[-1][0]:7.1f} tok/s, decode step {base[-1][1]:6.2f} ms", flush=True)
     return ratios
 
 

@@ -31,9 +31,10 @@ def _runner(source, **kw) -> ModelRunner:
     return ModelRunner(ServerArgs(**(args | kw)), source)
 
 
-def _check_every_fused_forward(monkeypatch, model) -> list[tuple[str, int]]:
+def _check_every_fused_forward(monkeypatch, model, lora_rows: list[int] | None = None) -> list[tuple[str, int]]:
     """Make every fused forward also run the Python layers on the same input first (writing the
-    same K/V) and assert the outputs are bit-identical; returns (forward mode, rows) per call."""
+    same K/V) and assert the outputs are bit-identical; returns (forward mode, rows) per call
+    (and appends each call's adapter row count to `lora_rows`)."""
     fused_forward = FusedDecodeLayers.forward
     seen: list[tuple[str, int]] = []
 
@@ -44,6 +45,8 @@ def _check_every_fused_forward(monkeypatch, model) -> list[tuple[str, int]]:
         out = fused_forward(self, x, cos, sin, fb, plan)
         assert torch.equal(out, reference)
         seen.append((fb.forward_mode.name, x.shape[0]))
+        if lora_rows is not None:
+            lora_rows.append(0 if fb.lora is None else fb.lora.num_lora_rows)
         return out
 
     monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
@@ -168,3 +171,50 @@ def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
     plain = _runner(source, disable_fused_decode=True, **quant)
     assert plain.model.fused_decode is None
     assert [r.output_ids for r in SyncScheduler(plain).generate(prompts, params)] == fused_out
+
+
+def test_lora_rows_run_fused_bit_identically(tmp_path, monkeypatch):
+    """A batch mixing the base model and two PEFT adapters (bf16: the LoRA pool's C++ loops) stays
+    in the fused loop, whose deltas after each projection are bit-identical to the Python layers'
+    (prefills and decodes, adapters swapped through one slot fewer than they are)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.models.loader import resolve_model
+    from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in QWEN_SHAPE.items() if k != "rms_norm_eps"}
+    hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    hf.save_pretrained(tmp_path / "base", safe_serialization=True)
+    paths = []
+    for i, name in enumerate(("all", "rslora")):
+        wrap(hf, name, LLAMA_ADAPTERS[name], seed=50 + i, scale=0.05).save_pretrained(tmp_path / name)
+        paths.append(f"{name}={tmp_path / name}")
+    source = resolve_model(str(tmp_path / "base"))
+    lora = dict(lora_paths=paths, max_loras_per_batch=1)
+    runner = _runner(source, **lora)
+    model = runner.model
+    assert runner.lora.pool.kernel == "cpu" and model.fused_decode is not None and model.fused_decode.lora
+    lora_rows: list[int] = []
+    seen = _check_every_fused_forward(monkeypatch, model, lora_rows)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 12, 9)]
+    names = ["all", None, "rslora", "all", None, "rslora"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+    def run(r: ModelRunner) -> list[list[int]]:
+        sched = SyncScheduler(r)
+        reqs = [sched.add_request(p, params, lora_path=n) for p, n in zip(prompts, names)]
+        sched.run_until_idle(overlap=True)
+        sched.scheduler.check_memory()
+        return [req.output_ids for req in reqs]
+
+    fused_out = run(runner)
+    with_lora = [mode for (mode, _), n in zip(seen, lora_rows) if n]
+    assert {"EXTEND", "DECODE"} <= set(with_lora)
+    monkeypatch.undo()
+    plain = _runner(source, disable_fused_decode=True, **lora)
+    assert plain.model.fused_decode is None
+    assert run(plain) == fused_out
+    without = _runner(source, max_loras_per_batch=1)  # the adapters change the outputs
+    assert [req.output_ids for req in SyncScheduler(without).generate(prompts, params)] != fused_out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import cpu_extension
 from engine.lora import BASE_SLOT, LoRABatchInfo, LoRAError, LoRAPool, apply_lora, load_adapter
 from engine.lora.projections import PROJECTIONS
 from tests.lora_fixtures import LLAMA_ADAPTERS, build_set, llama_base, mixed_batch, peft_delta, projection_inputs
@@ -115,17 +116,42 @@ def test_batch_info_groups_rows_by_adapter(llama_set, adapters):
     assert info.seg_slots == (a,)
 
 
-def test_bf16_close_to_fp32(llama_set, adapters):
-    """A bf16 pool and inputs give the fp32 deltas within bf16 rounding (no dtype mix-ups)."""
+@pytest.mark.parametrize(("kernel", "rows"), [("torch", [2, 1, 3]), ("cpu", [2, 1, 3]), ("cpu", [130, 1, 3])])
+def test_bf16_close_to_fp32(llama_set, adapters, kernel, rows):
+    """A bf16 pool and inputs give the fp32 deltas within bf16 rounding (no dtype mix-ups) in every
+    layer and projection, with torch ops and with the C++ kernel (csrc/cpu_lora.cpp: bf16's
+    default on a CPU, also run by the fused layer loop; blocks of up to 8 rows of an adapter, a
+    prefill's many); base rows keep their exact bits."""
+    if kernel == "cpu" and cpu_extension.load() is None:
+        pytest.skip("the CPU kernels are not built here")
     pools = {}
     for dtype in (torch.float32, torch.bfloat16):
-        pools[dtype] = LoRAPool(llama_set.cfg, max_loras_per_batch=2, max_lora_rank=8, dtype=dtype)
+        pools[dtype] = LoRAPool(
+            llama_set.cfg,
+            max_loras_per_batch=2,
+            max_lora_rank=8,
+            dtype=dtype,
+            kernel="torch" if dtype == torch.float32 else kernel,
+        )
         for name in ("all", "rslora"):
             pools[dtype].load(name, adapters[name])
-    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(4))
-    outs = {}
-    for dtype, pool in pools.items():
-        info = mixed_batch(["rslora", None, "all"], pool, [2, 1, 3])
-        outs[dtype] = apply_lora(x.to(dtype), torch.zeros(6, 64, dtype=dtype), 1, "qkv_proj", info)
-    assert outs[torch.bfloat16].dtype == torch.bfloat16
-    torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], rtol=3e-2, atol=0.3)
+    assert LoRAPool(llama_set.cfg, dtype=torch.bfloat16).kernel == "cpu"  # the default there
+    gen = torch.Generator().manual_seed(4)
+    n = sum(rows)
+    xs = projection_inputs(llama_set.cfg, n, gen)
+    base_rows = torch.zeros(n, dtype=torch.bool)
+    base_rows[rows[0] : rows[0] + rows[1]] = True
+    names = ["rslora", None, "all"]
+    for layer in range(llama_set.cfg.num_layers):
+        for projection in PROJECTIONS:
+            x, out_f = xs[projection], sum(pools[torch.float32].weights(layer, projection).out_sizes)
+            outs = {}
+            for dtype, pool in pools.items():
+                info = mixed_batch(names, pool, rows)
+                outs[dtype] = apply_lora(x.to(dtype), torch.zeros(n, out_f, dtype=dtype), layer, projection, info)
+            assert outs[torch.bfloat16].dtype == torch.bfloat16
+            torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], rtol=3e-2, atol=0.3)
+            base = torch.randn(n, out_f, generator=gen).to(torch.bfloat16)
+            info = mixed_batch(names, pools[torch.bfloat16], rows)
+            out = apply_lora(x.to(torch.bfloat16), base.clone(), layer, projection, info)
+            assert torch.equal(out[base_rows], base[base_rows])

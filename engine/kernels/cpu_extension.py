@@ -37,6 +37,7 @@ SOURCES = (
     "cpu_argmax.cpp",
     "cpu_quant_gemv.cpp",
     "cpu_decode_layers.cpp",
+    "cpu_lora.cpp",
     "bindings.cpp",
 )
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

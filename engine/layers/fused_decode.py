@@ -18,6 +18,12 @@ step, a speculative verify, a prefill; cascade plans for shared prefixes keep th
 and, where some projection has only its 4-bit form, it has at most that form's row bound of
 tokens. Above the bound each projection runs its oneDNN weight, as QuantLinear does: at batch
 32-128 the Python between the ops still cost ~2-3 ms a step (docs/PERFORMANCE.md, ninth session).
+
+Multi-LoRA: given the LoRA pool (bf16 CPU buffers, the torch path's form), the loop holds every
+(layer, projection) buffer by reference and a forward with adapter rows passes each token's slot
+(`LoRABatchInfo.row_slots`): after each projection the C++ loop adds the deltas (csrc/cpu_lora.cpp,
+engine/lora/ops.py's arithmetic and roundings, another summation order), instead of the forward
+leaving the loop for the Python layers.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import OneDNNLinear, QuantLinear
 from engine.layers.q8 import Q8Weight
+from engine.lora.pool import LoRAPool
+from engine.lora.projections import PROJECTIONS
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -69,14 +77,16 @@ def _form(module: Any) -> _Form | None:
 class FusedDecodeLayers:
     """The C++ layer loop of one model over its KV pool; see the module docstring."""
 
-    def __init__(self, native: Any, max_rows: int | None) -> None:
+    def __init__(self, native: Any, max_rows: int | None, lora: bool = False) -> None:
         self.native = native
         self.max_rows = max_rows  # None: every projection has a dense form, any row count runs
+        self.lora = lora  # it adds the LoRA pool's deltas: forwards with adapter rows may take it
 
     @classmethod
-    def build(cls, model: Any, pool: KVCache) -> FusedDecodeLayers | None:
+    def build(cls, model: Any, pool: KVCache, lora: LoRAPool | None = None) -> FusedDecodeLayers | None:
         """The fused loop for `model` (a models.llama.LlamaForCausalLM: the type would import back
-        up) over `pool`, or None where it does not apply."""
+        up) over `pool`, with the multi-LoRA pool's buffers when `lora` is given, or None where it
+        does not apply."""
         module = cpu_extension.load()
         cfg = model.cfg
         if module is None or not hasattr(module, "DecodeLayers") or model.tp.size != 1 or not model.fused:
@@ -117,8 +127,10 @@ class FusedDecodeLayers:
                 [qkv.bias, o.bias, gate_up.bias, down.bias],
                 None if qk_norm is None else qk_norm.table,
             )
+        # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
+        with_lora = lora is not None and _add_lora(native, lora, len(layers))
         dense_everywhere = all(f.has_dense for layer in forms for f in layer)
-        return cls(native, None if dense_everywhere else q4_rows)
+        return cls(native, None if dense_everywhere else q4_rows, with_lora)
 
     def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
         """This forward's kernel attention plan when the fused loop takes the forward (at most
@@ -142,6 +154,26 @@ class FusedDecodeLayers:
         plan: KernelDecodePlan | KernelExtendPlan,
     ) -> torch.Tensor:
         """Every layer over the residual stream `x` (updated in place): the last layer's output."""
+        rows = fb.lora.row_slots if fb.lora is not None and not fb.lora.empty else None
         if isinstance(plan, KernelDecodePlan):
-            return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts)
-        return self.native.forward(x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None)
+            return self.native.forward(
+                x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts, rows
+            )
+        return self.native.forward(
+            x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None, rows
+        )
+
+
+def _add_lora(native: Any, pool: LoRAPool, num_layers: int) -> bool:
+    """Hand the loop every (layer, projection) buffer of `pool` (kept by reference: slot writes
+    land in place); False where the pool has no form the loop runs (its GPU kernels' layout, or
+    another dtype than the model's bf16)."""
+    buffers = pool.buffers.items()
+    if any(w.bt is None or w.a.dtype != torch.bfloat16 or w.a.device.type != "cpu" for _, w in buffers):
+        return False
+    for (layer, projection), w in buffers:
+        if layer >= num_layers:
+            return False
+        index = tuple(PROJECTIONS).index(projection)
+        native.set_lora(layer, index, w.a, w.bt, w.scaling, list(w.out_sizes), w.max_rank)
+    return True

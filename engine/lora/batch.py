@@ -56,6 +56,20 @@ class LoRABatchInfo:
         slots = torch.tensor(self.seg_slots, dtype=torch.int64, device=device)
         return slots, rows, valid.to(device), length
 
+    @functools.cached_property
+    def row_slots(self) -> torch.Tensor:
+        """Each row's slot, `BASE_SLOT` for base rows (`[num_rows]` int64 on the device): the fused
+        C++ layer loop's per-token view (csrc/cpu_lora.cpp)."""
+        device = self.pool.device
+        slots = torch.full((self.num_rows,), BASE_SLOT, dtype=torch.int64, device=device)
+        lens = torch.tensor(self.seg_lens, dtype=torch.int64)
+        per_lora_row = torch.repeat_interleave(torch.tensor(self.seg_slots, dtype=torch.int64), lens).to(device)
+        if self.row_index is None:
+            slots[: self.num_lora_rows] = per_lora_row
+        else:
+            slots[self.row_index] = per_lora_row
+        return slots
+
     @property
     def max_seg_len(self) -> int:
         return max(self.seg_lens, default=0)

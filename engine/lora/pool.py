@@ -11,8 +11,9 @@ forward uses must sit in a slot of buffers that one kernel indexes by slot. Per 
 - `scaling`: `[slots, parts * R]` float32, per rank column (0 in the padding): the parts of a
   fused projection may have different scalings (`rank_pattern` / `alpha_pattern`), and applying
   it to the shrink's output keeps it out of the weights;
-- `bt` (the torch path only): `[slots, parts * R, out]`, B transposed and block-diagonal, so a
-  segment's expand is one matmul added into the output in place. On a CPU a LoRA forward's cost
+- `bt` (the torch and C++ paths): `[slots, parts * R, out]`, B transposed and block-diagonal, so
+  a segment's expand is one matmul added into the output in place (the C++ loop reads part p's
+  diagonal block only). On a CPU a LoRA forward's cost
   is the number of small ops (about 40% of a decode step with one op per part), not the zero
   blocks' flops.
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.distributed.sharding import TPShard
+from engine.kernels import cpu_extension
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.errors import LoRAError, LoRAPoolFullError
 from engine.lora.projections import FUSED_MODULES, MODULES, PROJECTIONS, projection_of, projection_sizes, shard_lora
@@ -66,6 +68,20 @@ class LoRAWeights:
             self.bt[slot].zero_()
         self.scaling[slot].zero_()
         self.active.discard(slot)
+
+
+KERNELS = ("torch", "cpu", "triton")
+
+
+def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The SGMV Triton kernels on a GPU; on a CPU in bf16 the C++ loops (csrc/cpu_lora.cpp: the
+    fused layer loop runs the same ones, so a forward's output does not depend on which path took
+    it); torch ops elsewhere (fp32: the reference path PEFT parity is measured on)."""
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_extension.load() is not None:
+        return "cpu"
+    return "torch"
 
 
 def resolve_target_modules(names: Iterable[str] | None) -> frozenset[str]:
@@ -112,11 +128,11 @@ class LoRAPool:
         self.max_lora_rank = max_lora_rank
         self.target_modules = resolve_target_modules(target_modules)
         self.device, self.dtype = torch.device(device), dtype
-        # How ops.apply_lora computes (chosen here, never inside a forward): the SGMV Triton
-        # kernels on a GPU, torch ops elsewhere ("triton" on CPU needs TRITON_INTERPRET=1: tests)
-        self.kernel = kernel if kernel is not None else "triton" if self.device.type == "cuda" else "torch"
-        if self.kernel not in ("torch", "triton"):
-            raise ValueError(f"unknown LoRA kernel {self.kernel!r} (torch or triton)")
+        # How ops.apply_lora computes (chosen here, never inside a forward; "triton" on CPU needs
+        # TRITON_INTERPRET=1: tests)
+        self.kernel = kernel if kernel is not None else default_kernel(self.device, dtype)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown LoRA kernel {self.kernel!r} ({', '.join(KERNELS)})")
         self.projections = tuple(p for p, parts in PROJECTIONS.items() if self.target_modules & set(parts))
         self.buffers: dict[tuple[int, str], LoRAWeights] = {}
         r, s = max_lora_rank, max_loras_per_batch
@@ -134,7 +150,7 @@ class LoRAPool:
                         self.device
                     ),
                     bt=torch.zeros(s, n * r, sum(sizes), device=self.device, dtype=dtype)
-                    if self.kernel == "torch"
+                    if self.kernel in ("torch", "cpu")
                     else None,
                 )
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, least recent first

@@ -160,7 +160,8 @@ class ModelRunner(RunnerWeights):
 
     def _init_fused_decode(self) -> None:
         if not self.args.disable_fused_decode and self.attn_backend_name == "cpu":
-            self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache)
+            lora = self.lora.pool if self.lora is not None else None
+            self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache, lora)
             if self.model.fused_decode is not None:
                 rows = self.model.fused_decode.max_rows  # None: every projection is dense, no row bound
                 log.info("fused C++ decode layers for %s", "any row count" if rows is None else f"<= {rows} tokens")

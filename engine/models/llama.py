@@ -155,9 +155,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(fb.input_ids)
         tables = [rotary.cos_sin(fb.positions) for rotary in self.rotaries]
         fused = self.fused_decode
-        # the fused loop has no LoRA: a forward with adapter rows runs the layers (nor a sliding
-        # window: `plan` declines a forward with a sequence past it)
-        plan = fused.plan(fb, x.shape[0]) if fused is not None and fb.lora is None else None
+        # a forward with adapter rows takes the fused loop where it was given the LoRA pool (nor a
+        # sliding window: `plan` declines a forward with a sequence past it)
+        plan = fused.plan(fb, x.shape[0]) if fused is not None and (fb.lora is None or fused.lora) else None
         if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
             x = fused.forward(x, *tables[0], fb, plan)
         else:

@@ -93,9 +93,11 @@ class SyncScheduler:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         pooling: str | None = None,
+        lora_path: str | None = None,
     ) -> Req:
         """Validate and queue one request (typed errors on bad input, as `Engine` raises them).
-        `pooling` makes it an embedding request (a prefill only, `max_new_tokens` 0)."""
+        `pooling` makes it an embedding request (a prefill only, `max_new_tokens` 0); `lora_path`
+        runs it on that registered LoRA adapter."""
         params.verify(self.runner.model_config.vocab_size)
         if not input_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -127,6 +129,11 @@ class SyncScheduler:
             start,
             pooling,
         )
+        if lora_path is not None:
+            lora = self.runner.lora
+            if lora is None:
+                raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora)", "lora_path")
+            req.lora_path, req.lora_key = lora_path, lora.registry.cache_key(lora_path)  # unknown: LoRAError
         self.add(req)
         return req
 

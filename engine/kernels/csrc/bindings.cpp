@@ -22,6 +22,8 @@ bool quant_gemv_vectorized();
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
+                        std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // This library's copy of ATen's once-per-thread thread-count init runs at its first parallel
@@ -49,10 +51,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
+  m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16, engine/lora/ops.py's CPU path)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<asyncllm::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &asyncllm::DecodeLayers::add_layer)
       .def("num_layers", &asyncllm::DecodeLayers::num_layers)
+      .def("set_lora", &asyncllm::DecodeLayers::set_lora, "a projection's multi-LoRA buffers (engine/lora/pool.py)")
       .def("forward", &asyncllm::DecodeLayers::forward, "every layer of a small decode batch",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -15,7 +15,8 @@
 //
 // Scope (checked on the Python side): Llama-style layers (projection biases as Qwen2 has them, the
 // q/k norm of Qwen3), SiLU, bf16, every projection 4-bit and/or prepacked for oneDNN, the fused
-// elementwise kernels, the kernel attention plans, one rank.
+// elementwise kernels, the kernel attention plans, one rank; multi-LoRA deltas after each
+// projection where the forward has adapter rows (cpu_lora.cpp).
 
 #include "decode_layers.h"
 
@@ -112,14 +113,33 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                                 projection(down, down_out, q4_rows, biases[3]), k_buffer, v_buffer});
 }
 
+void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,
+                            torch::Tensor scaling, std::vector<int64_t> part_sizes, int64_t rank) {
+  TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < 4, "LoRA: layer or projection");
+  layers_[layer].lora[projection] = lora_projection(a, bt, scaling, std::move(part_sizes), rank);
+}
+
 torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                     torch::Tensor out_cache_loc, torch::Tensor slots, torch::Tensor lens,
-                                    std::optional<torch::Tensor> prefix_lens,
-                                    std::optional<torch::Tensor> query_starts) const {
+                                    std::optional<torch::Tensor> prefix_lens, std::optional<torch::Tensor> query_starts,
+                                    std::optional<torch::Tensor> lora_slots) const {
   const int64_t t = x.size(0), h = num_heads_, kvh = num_kv_heads_, d = head_dim_;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_cache_loc.numel() == t, "x [T, hidden], one slot per token");
+  const int64_t* row_slots = nullptr;  // the LoRA deltas' per-token slots (ops.py's, applied after each projection)
+  if (lora_slots.has_value()) {
+    TORCH_CHECK(lora_slots->scalar_type() == torch::kLong && lora_slots->is_contiguous() && lora_slots->numel() == t,
+                "lora_slots: int64 [T]");
+    row_slots = lora_slots->data_ptr<int64_t>();
+  }
+  // gemv, then this projection's LoRA deltas where the forward has adapter rows
+  auto project = [row_slots](const torch::Tensor& in, const Projection& w, const LoRAProjection& lora) {
+    torch::Tensor out = gemv(in, w);
+    if (row_slots != nullptr) add_lora(in, out, lora, row_slots);
+    return out;
+  };
   for (const DecodeLayer& layer : layers_) {
-    const torch::Tensor qkv = gemv(rms_norm(x, layer.input_norm, eps_), layer.qkv);
+    const torch::Tensor normed_in = rms_norm(x, layer.input_norm, eps_);
+    const torch::Tensor qkv = project(normed_in, layer.qkv, layer.lora[0]);
     // q and k are adjacent: normalise (Qwen3) and rotate them as one [T, H + KVH, D] slab (as
     // LlamaAttention does)
     torch::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
@@ -133,8 +153,9 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
         prefix_lens.has_value()
             ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_)
             : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_, query_starts)[0];
-    const torch::Tensor normed = add_rms_norm_(x, gemv(attn.view({t, h * d}), layer.o), layer.post_norm, eps_);
-    x = x + gemv(silu_mul(gemv(normed, layer.gate_up)), layer.down);
+    const torch::Tensor normed =
+        add_rms_norm_(x, project(attn.view({t, h * d}), layer.o, layer.lora[1]), layer.post_norm, eps_);
+    x = x + project(silu_mul(project(normed, layer.gate_up, layer.lora[2])), layer.down, layer.lora[3]);
   }
   return x;
 }

@@ -22,12 +22,30 @@ struct Projection {
   int64_t q4_rows;
 };
 
+// One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the torch path's form):
+// A [slots, P*R, in] and Bt [slots, P*R, out] (block-diagonal: part p's columns take rank block
+// p only) in the model's dtype, the scaling [slots, P*R] fp32; undefined a: the projection has none.
+struct LoRAProjection {
+  torch::Tensor a, bt, scaling;
+  std::vector<int64_t> part_sizes;  // output columns of each part (q/k/v, gate/up, or one)
+  int64_t rank = 0;                 // R, the rank block of one part
+};
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
   torch::Tensor qk_norm;  // Qwen3's [H + KVH, D] table of q and k norm weights; undefined: none
   Projection qkv, o, gate_up, down;
   torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
+  LoRAProjection lora[4];            // q|k|v, o, gate|up, down
 };
+
+// A LoRAProjection over the pool's buffers, their dtypes and shapes checked.
+LoRAProjection lora_projection(torch::Tensor a, torch::Tensor bt, torch::Tensor scaling, std::vector<int64_t> part_sizes,
+                               int64_t rank);
+
+// y[t] += the LoRA delta of token t's adapter (row_slots[t]; -1: none) for projection `w`
+// (cpu_lora.cpp); a projection without LoRA buffers is left alone.
+void add_lora(const torch::Tensor& x, torch::Tensor& y, const LoRAProjection& w, const int64_t* row_slots);
 
 class DecodeLayers {
  public:
@@ -47,9 +65,14 @@ class DecodeLayers {
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
   // Extend: lens [R] the new tokens per request, prefix_lens [R]. Grouped decode (a speculative
   // verify, attention_cpu.per_token_decode_plan): lens [T] per token, query_starts [R + 1].
+  // lora_slots: each token's LoRA pool slot [T] int64 (-1: the base model), None: no LoRA rows.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor out_cache_loc,
                         torch::Tensor slots, torch::Tensor lens, std::optional<torch::Tensor> prefix_lens,
-                        std::optional<torch::Tensor> query_starts) const;
+                        std::optional<torch::Tensor> query_starts, std::optional<torch::Tensor> lora_slots) const;
+  // The LoRA pool's buffers of `projection` (0 q|k|v, 1 o, 2 gate|up, 3 down) in `layer`, kept by
+  // reference: the pool writes its slots in place between forwards.
+  void set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
+                std::vector<int64_t> part_sizes, int64_t rank);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
