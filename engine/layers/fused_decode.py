@@ -128,7 +128,7 @@ class FusedDecodeLayers:
                 None if qk_norm is None else qk_norm.table,
             )
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
-        with_lora = lora is not None and _add_lora(native, lora, len(layers))
+        with_lora = lora is not None and _add_lora(native, lora)
         dense_everywhere = all(f.has_dense for layer in forms for f in layer)
         return cls(native, None if dense_everywhere else q4_rows, with_lora)
 
@@ -164,16 +164,13 @@ class FusedDecodeLayers:
         )
 
 
-def _add_lora(native: Any, pool: LoRAPool, num_layers: int) -> bool:
+def _add_lora(native: Any, pool: LoRAPool) -> bool:
     """Hand the loop every (layer, projection) buffer of `pool` (kept by reference: slot writes
-    land in place); False where the pool has no form the loop runs (its GPU kernels' layout, or
-    another dtype than the model's bf16)."""
-    buffers = pool.buffers.items()
-    if any(w.bt is None or w.a.dtype != torch.bfloat16 or w.a.device.type != "cpu" for _, w in buffers):
+    land in place), where the pool computes with the same C++ kernel (`kernel` "cpu": bf16 on a
+    CPU), so a forward's deltas do not depend on which path took it; False elsewhere."""
+    if pool.kernel != "cpu":
         return False
-    for (layer, projection), w in buffers:
-        if layer >= num_layers:
-            return False
+    for (layer, projection), w in pool.buffers.items():
         index = tuple(PROJECTIONS).index(projection)
         native.set_lora(layer, index, w.a, w.bt, w.scaling, list(w.out_sizes), w.max_rank)
     return True
