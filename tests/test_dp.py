@@ -1,7 +1,8 @@
 """Data parallelism (`python -m server --dp-size N`, server/dp/), real processes: one controller
 with two replicas of the default model on the CPU, shared by a cache-hit-rate comparison
 (cache-aware routing vs one replica vs round robin), a replica SIGKILLed under load and brought
-back, and a graceful SIGTERM of the whole controller (last: it ends the module's controller).
+back (serving the weight update its sibling took before the kill), and a graceful SIGTERM of the
+whole controller (last: it ends the module's controller).
 Start-up failures (a bad model path, a busy port) end the controller at once with the replica's
 error. Pure and in-process checks are in tests/test_dp_units.py.
 """
@@ -209,6 +210,12 @@ async def test_a_killed_replica_fails_its_streams_and_comes_back(dp_server):
     dp = dp_server.dp()
     urls = [r["url"] for r in dp["replicas"]]
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        # A trainer's update before the kill: the restarted replica must serve it too, not its
+        # command line's weights (the front end replays it before routing there).
+        async with s.get(dp_server.url + "/get_model_info") as r:
+            update = {"model_path": (await r.json())["model_path"], "weight_version": "policy-7"}
+        async with s.post(dp_server.url + "/update_weights_from_disk", json=update) as r:
+            assert r.status == 200 and (await r.json())["weight_version"] == "policy-7", await r.text()
 
         async def stream(i: int) -> tuple[str, list[str]]:
             # One per prefix group: cache-aware routing sends each where its group went (both
@@ -263,6 +270,10 @@ async def test_a_killed_replica_fails_its_streams_and_comes_back(dp_server):
         assert entries[victim]["restarts"] == 1 and entries[victim]["pid"] != old_pid
         assert not pid_alive(old_pid)
         assert entries[victim]["url"] != victim_url  # restarted on a fresh port
+        assert [e["behind"] for e in entries] == [False, False]
+        for entry in entries:
+            async with s.get(entry["url"] + "/get_model_info") as r:
+                assert (await r.json())["weight_version"] == "policy-7", entry
         seen = set()
         for i in range(2):  # new prefixes go to the emptiest cache first: the restarted replica
             body = {"model": "smollm2-135m", "prompt": f"{system_prompt(20 + i)} Back?", "max_tokens": 1}

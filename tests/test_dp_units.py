@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from server.dp.replica import Replica
 from server.dp.replica_args import ReplicaArgsError, replica_argv, split_options
 from server.dp.resources import Machine, ReplicaPlan, ResourceError, plan_replicas
 from server.dp.supervisor import Supervisor, backoff
+from server.router.journal import STATE_ROUTES
 from tests.dp_helpers import poll, serving
 from tests.server_helpers import free_port
 
@@ -162,6 +164,7 @@ class FakeReplica(Replica):
         self.address: str | None = None
         self.runner: web.AppRunner | None = None
         self.gone = asyncio.Event()
+        self.state_calls: list[tuple[str, dict]] = []  # since this process started
 
     @property
     def url(self) -> str | None:
@@ -185,6 +188,9 @@ class FakeReplica(Replica):
         app.router.add_post("/tokenize", lambda r: web.json_response({"tokens": [self.index]}))
         app.router.add_post("/start_profile", lambda r: web.json_response({"success": True, "trace": f"t{self.index}"}))
         app.router.add_get("/dashboard/ws", self.dashboard_feed)
+        for path in STATE_ROUTES:
+            app.router.add_post(path, self.state_call)
+        self.state_calls = []
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         port = free_port()
@@ -199,6 +205,11 @@ class FakeReplica(Replica):
         async for _ in ws:
             pass
         return ws
+
+    async def state_call(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.state_calls.append((request.path, json.loads(body) if body.strip() else {}))
+        return web.json_response({"success": True, "weight_version": f"r{self.index}-{len(self.state_calls)}"})
 
     async def wait_exit(self) -> int:
         await self.gone.wait()
@@ -261,6 +272,49 @@ async def test_frontend_restarts_a_crashed_replica_at_its_new_address(monkeypatc
             assert seen == {0, 1}
     finally:
         await supervisor.stop_all()
+
+
+async def test_a_restarted_replica_gets_the_weights_adapters_and_pause_its_sibling_has():
+    """A replica restarts from its command line: before it is routed to, the front end replays on
+    it the last weight update (with the version its sibling reported), the adapters loaded since
+    and a pause still in force; a call replayed there is not sent twice to the survivor."""
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
+    await supervisor.start_all()
+    app = build_frontend(ServerConfig(load_balance_method="round_robin"), supervisor, "local")
+    try:
+        async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            supervisor.watch()
+            calls = [
+                ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a"}),
+                ("/update_weights_from_disk", {"model_path": "/ckpt/7"}),
+                ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
+                ("/unload_lora_adapter", {"lora_name": "a"}),
+                ("/pause_generation", {"mode": "retract"}),
+            ]
+            for path, body in calls:
+                async with s.post(url + path, json=body) as r:
+                    assert r.status == 200 and (await r.json())["success"], await r.text()
+            assert replicas[0].state_calls == replicas[1].state_calls == calls
+            await replicas[1].crash()
+            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["restarts"] == 1 and e["healthy"]))
+            assert entry["behind"] is False and "sync_error" not in entry
+            assert replicas[1].state_calls == [
+                ("/update_weights_from_disk", {"model_path": "/ckpt/7", "weight_version": "r0-2"}),  # replica 0's
+                ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
+                ("/pause_generation", {"mode": "retract"}),
+            ]
+            assert replicas[0].state_calls == calls
+    finally:
+        await supervisor.stop_all()
+
+
+def dp_info(s: aiohttp.ClientSession, url: str):
+    async def dp() -> dict:
+        async with s.get(url + "/get_server_info") as r:
+            return (await r.json())["dp"]
+
+    return dp
 
 
 async def _degraded(health) -> dict | None:

@@ -5,10 +5,15 @@ replicas, so both speak the same API and route the same way, plus what only a co
   replica out while it is down and put it back once its /health answers. The supervisor also
   tells the router at once when a replica exits (no wait for a failed check) and where a restarted
   one now listens (it gets a fresh port, or under Ray maybe another node).
+- State: a restarted replica starts from the command line's weights and adapters; before it is
+  routed to, the router replays on it the net effect of the state-changing admin calls its
+  siblings took since start-up (the last /update_weights_from_disk with its weight_version, the
+  adapters loaded and unloaded, memory still released, a pause in force: server/router/journal.py).
+  A replica that missed or failed one of those calls is held out until it is replayed on it.
 - Auth: `--api-key` is checked by the front end and forwarded to the replicas, which were given
   the same key (their command line keeps it).
 - GET /get_server_info: the router's aggregate plus `dp`: one entry per replica (index, url, pid,
-  healthy, restarts, its resources).
+  healthy, behind and why, restarts, its resources).
 - GET /metrics: on unless --disable-metrics, as a single server (the flag reaches the replicas
   too): the router's metrics and every replica's, labelled by `dp_rank` (`server/dp/metrics.py`).
 - GET /get_load: every replica's load entry, its `dp_rank` the replica's index (the router's).
@@ -49,7 +54,11 @@ def router_config(config: ServerConfig, urls: Sequence[str]) -> RouterConfig:
 def dp_section(replicas: Sequence[Replica], router: Router, placement: str) -> dict[str, Any]:
     entries = []
     for replica, worker in zip(replicas, router.workers, strict=True):
-        entries.append({**replica.describe(), "healthy": worker.healthy and worker.url == replica.url})
+        healthy = worker.healthy and worker.url == replica.url
+        # behind: it has not (yet) taken every state-changing admin call its siblings took
+        entries.append({**replica.describe(), "healthy": healthy, "behind": router.behind(worker)})
+        if worker.sync_error:
+            entries[-1]["sync_error"] = worker.sync_error
     return {"dp": {"size": len(replicas), "placement": placement, "replicas": entries}}
 
 
@@ -69,14 +78,16 @@ def build_frontend(config: ServerConfig, supervisor: Supervisor, placement: str)
     openapi.add_routes(app, secured=bool(config.api_key))  # last: built on startup from every route
 
     def on_down(replica: Replica, why: str) -> None:
-        router.set_health(router.workers[replica.index], False, f" (replica {replica.index} {why})")
+        worker = router.workers[replica.index]
+        worker.synced = None  # whatever comes back is a fresh process: the journal's state is restored on it
+        router.set_health(worker, False, f" (replica {replica.index} {why})")
 
     async def on_up(replica: Replica) -> None:
         worker = router.workers[replica.index]
         if replica.url is not None and worker.url != replica.url:
             worker = router.replace_worker(replica.index, replica.url)
         if router.session is not None:
-            await router.check(worker)  # back in routing now, not at the next health round
+            await router.check(worker)  # restored and back in routing now, not at the next health round
 
     supervisor.on_down, supervisor.on_up = on_down, on_up
     return app

@@ -6,7 +6,9 @@ SGLang's router does it):
 `policy.py` chooses the worker (cache-aware, round robin, shortest queue; pure and unit
 tested), `tree.py` is the approximate radix tree the cache-aware policy keeps per worker,
 `state.py` holds the workers, the shared client session and the health checks, `app.py` the
-routes (proxied generation, aggregated admin endpoints). It never imports the engine (nor
+routes (proxied generation, aggregated endpoints), `broadcast.py` the admin calls sent to every
+worker and `journal.py` the record of the state-changing ones, replayed on a worker that missed
+them before it is routed to again. It never imports the engine (nor
 torch): a router starts in a fraction of a second and holds no model.
 """
 

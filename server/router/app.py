@@ -29,9 +29,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from server.router.broadcast import broadcaster
 from server.router.errors import RouterError, no_healthy_worker
 from server.router.policy import Worker, routing_text
-from server.router.state import ROUTER, ExtraInfo, Router, RouterConfig
+from server.router.state import ADMIN_TIMEOUT, INFO_TIMEOUT, ROUTER, ExtraInfo, Router, RouterConfig
 from server.router.ws_relay import ws_handler
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,9 @@ async def per_worker_only(request: web.Request) -> web.Response:
 
 
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # probes, scrapers and client generators need no key
-_FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _DONE = b"data: [DONE]"
 WORKER_HEADER = "X-Router-Worker"  # which worker answered: for operators and tests
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
-_ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=120.0)  # a long profile takes seconds to write
 
 
 class _Retry(Exception):
@@ -122,13 +120,6 @@ def _api_key_middleware(key: str, query_key_paths: tuple[str, ...]):
     return api_key_middleware
 
 
-def _forward_headers(request: web.Request, router: Router) -> dict[str, str]:
-    headers = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
-    if "Authorization" not in headers:
-        headers.update(router.auth_headers())
-    return headers
-
-
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker) -> web.StreamResponse:
     """Pass the worker's SSE through as it arrives; end it with an error event if the worker
     is lost before its `[DONE]`."""
@@ -161,7 +152,7 @@ async def _forward(request: web.Request, router: Router, worker: Worker, body: b
     assert router.session is not None
     url = worker.url + request.path_qs
     try:
-        upstream = await router.session.post(url, data=body, headers=_forward_headers(request, router))
+        upstream = await router.session.post(url, data=body, headers=router.forward_headers(request))
     except aiohttp.ClientConnectorError as e:  # refused, unreachable: it is down
         router.set_health(worker, False, f" ({e})")
         raise _Retry(str(e)) from e
@@ -245,7 +236,7 @@ async def first_healthy(request: web.Request) -> web.Response:
     for worker in [w for w in router.workers if w.healthy]:
         try:
             async with router.session.get(
-                worker.url + request.path, headers=_forward_headers(request, router), timeout=_INFO_TIMEOUT
+                worker.url + request.path, headers=router.forward_headers(request), timeout=INFO_TIMEOUT
             ) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (TimeoutError, aiohttp.ClientError, OSError):
@@ -256,7 +247,7 @@ async def first_healthy(request: web.Request) -> web.Response:
 async def _worker_info(router: Router, worker: Worker, headers: dict[str, str]) -> dict[str, Any] | None:
     assert router.session is not None
     try:
-        async with router.session.get(worker.url + "/get_server_info", headers=headers, timeout=_INFO_TIMEOUT) as r:
+        async with router.session.get(worker.url + "/get_server_info", headers=headers, timeout=INFO_TIMEOUT) as r:
             return await r.json() if r.status == 200 else None
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return None
@@ -289,6 +280,7 @@ def aggregate(workers: list[Worker], infos: list[dict[str, Any] | None]) -> dict
         "version": version,
         "workers": [
             {"url": w.url, "healthy": w.healthy, "inflight": w.inflight, "server_info": info}
+            | ({"sync_error": w.sync_error} if w.sync_error else {})  # held out: why (server/router/journal.py)
             for w, info in zip(workers, infos, strict=True)
         ],
         **totals,
@@ -299,7 +291,7 @@ def aggregate(workers: list[Worker], infos: list[dict[str, Any] | None]) -> dict
 
 async def server_info(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    headers = _forward_headers(request, router)
+    headers = router.forward_headers(request)
     infos = await asyncio.gather(*(_worker_info(router, w, headers) for w in router.workers))
     info = aggregate(router.workers, list(infos))
     info["load_balance_method"] = router.policy.name
@@ -308,56 +300,12 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
-def broadcaster(timeout: aiohttp.ClientTimeout):
-    """A handler that POSTs the same body to every healthy worker (/flush_cache; /abort_request,
-    since only the worker that holds a rid has it; the profiler and flight recorder endpoints,
-    each worker writing its own file); success only if all of them succeeded. The answer holds
-    the first worker's own keys (so it has a single server's shape: `trace`, `path`, ...),
-    `success` for them all and `workers`, each worker's status and body."""
-
-    async def broadcast(request: web.Request) -> web.Response:
-        router = request.app[ROUTER]
-        assert router.session is not None
-        session = router.session
-        headers = _forward_headers(request, router)
-        body = await request.read()
-
-        async def one(worker: Worker) -> dict[str, Any]:
-            if not worker.healthy:
-                return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
-            try:
-                async with session.post(worker.url + request.path, data=body, headers=headers, timeout=timeout) as r:
-                    return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                return {"url": worker.url, "status": None, "success": False, "message": f"{type(e).__name__}: {e}"}
-
-        results = await asyncio.gather(*(one(w) for w in router.workers))
-        answered = [r for r in results if r["status"] is not None]
-        if not answered and not any(w.healthy for w in router.workers):
-            raise no_healthy_worker()
-        ok = any(r["success"] for r in results) and all(r["success"] or r["status"] is None for r in results)
-        if not ok and answered and all(r["status"] == 400 for r in answered):  # e.g. no profile running
-            return web.Response(body=answered[0]["body"], status=400, content_type="application/json")
-        first: Any = next((_json_or_none(r["body"]) for r in results if r["success"]), None)
-        first = first if isinstance(first, dict) else {}
-        return web.json_response({**first, "success": ok, "workers": results}, status=200 if ok else 502)
-
-    return broadcast
-
-
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
 async def _worker_load(router: Router, worker: Worker, headers: dict[str, str]) -> list[Any]:
     assert router.session is not None
     if not worker.healthy:
         return []
     try:
-        async with router.session.get(worker.url + "/get_load", headers=headers, timeout=_INFO_TIMEOUT) as r:
+        async with router.session.get(worker.url + "/get_load", headers=headers, timeout=INFO_TIMEOUT) as r:
             body = await r.json() if r.status == 200 else []
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return []
@@ -369,7 +317,7 @@ async def get_load(request: web.Request) -> web.Response:
     worker's index (each engine calls itself rank 0); a worker that is down or does not answer
     is left out, so a balancer reading this sees only ranks it can route to."""
     router = request.app[ROUTER]
-    headers = _forward_headers(request, router)
+    headers = router.forward_headers(request)
     loads = await asyncio.gather(*(_worker_load(router, w, headers) for w in router.workers))
     out = [{**entry, "dp_rank": index} for index, entries in enumerate(loads) for entry in entries]
     return web.json_response(out)
@@ -405,7 +353,7 @@ def build_router_app(config: RouterConfig, extra_info: ExtraInfo | None = None) 
     for path in EMBEDDING_ROUTES:
         app.router.add_post(path, proxy)
     app.router.add_get("/server_info", server_info)  # SGLang's alias, as a single server
-    broadcast, admin_broadcast = broadcaster(_INFO_TIMEOUT), broadcaster(_ADMIN_TIMEOUT)
+    broadcast, admin_broadcast = broadcaster(INFO_TIMEOUT), broadcaster(ADMIN_TIMEOUT)
     for path in ("/flush_cache", "/abort_request"):
         app.router.add_post(path, broadcast)
     app.router.add_get("/flush_cache", broadcast)  # a single server takes both; the workers get a POST

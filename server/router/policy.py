@@ -30,6 +30,11 @@ class Worker:
     url: str
     healthy: bool = True
     inflight: int = 0  # requests the router sent there that have not finished
+    # The router's admin journal (server/router/journal.py) up to which this worker's state is
+    # known to be its siblings': None for a fresh process (restarted, or at a new address), which
+    # needs the whole state restored before it routes.
+    synced: int | None = 0
+    sync_error: str = ""  # why the last attempt to bring it up to date failed
 
 
 class Policy:

@@ -5,7 +5,8 @@ One `aiohttp.ClientSession` serves every forwarded request (its connection pool 
 keep-alive connections to the workers). Its timeout has no total (a long stream is normal) but
 a connect timeout, so a dead host fails fast and the request can be retried elsewhere.
 Health checks use their own short total timeout: a worker that does not answer /health within
-it is taken out of routing until it answers 200 again.
+it is taken out of routing until it answers 200 again, and, if it missed state-changing admin
+calls meanwhile (or is a fresh process), until they are replayed on it (server/router/journal.py).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from server.router.journal import AdminJournal, Call
 from server.router.metrics import RouterMetrics
 from server.router.policy import Policy, Worker, make_policy
 
 log = logging.getLogger(__name__)
 
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
+FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=120.0)  # a weight update reads a checkpoint; a profile writes seconds
 
 
 @dataclass
@@ -59,6 +64,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.extra_info: ExtraInfo | None = None  # more keys for GET /get_server_info
+        self.journal = AdminJournal()
+        self._restoring: dict[Worker, tuple[int, int]] = {}  # a fresh worker's partial restore: (seq, calls done)
+        self._catching_up: dict[Worker, asyncio.Task] = {}
         self._health_task: asyncio.Task | None = None
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(0)
@@ -66,6 +74,13 @@ class Router:
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def forward_headers(self, request: web.Request) -> dict[str, str]:
+        """The client's headers a worker needs; the router's own key when the client sent none."""
+        headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+        if "Authorization" not in headers:
+            headers.update(self.auth_headers())
+        return headers
 
     def pick(self, text: str, exclude: Collection[str] = ()) -> Worker | None:
         candidates = [w for w in self.workers if w.url not in exclude]
@@ -94,18 +109,23 @@ class Router:
 
     def replace_worker(self, index: int, url: str) -> Worker:
         """Worker `index` now lives at `url` (a replica restarted elsewhere): it starts unhealthy,
-        with nothing cached, until a health check passes. Requests in flight at the old address
-        keep their own `Worker` object and end as they would have."""
+        with nothing cached, until a health check passes and the journal's state is restored on
+        it. Requests in flight at the old address keep their own `Worker` object and end as they
+        would have."""
         old = self.workers[index]
+        self._restoring.pop(old, None)
         self.policy.forget(old)
         for gauge in (self.metrics.healthy, self.metrics.inflight):
             with contextlib.suppress(KeyError):
                 gauge.remove(old.url)
-        new = self.workers[index] = Worker(url.rstrip("/"), healthy=False)
+        new = self.workers[index] = Worker(url.rstrip("/"), healthy=False, synced=None)  # a fresh process
         self.metrics.healthy.labels(new.url).set(0)
         self.metrics.inflight.labels(new.url).set(0)
         log.warning("worker %d moved: %s -> %s", index, old.url, new.url)
         return new
+
+    def behind(self, worker: Worker) -> bool:
+        return worker.synced != self.journal.seq
 
     async def check(self, worker: Worker) -> None:
         assert self.session is not None
@@ -113,9 +133,62 @@ class Router:
         try:
             async with self.session.get(worker.url + "/health", headers=self.auth_headers(), timeout=timeout) as r:
                 await r.read()
-                self.set_health(worker, r.status == 200, f" (/health answered {r.status})")
+                status = r.status
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self.set_health(worker, False, f" ({type(e).__name__}: {e})")
+            return
+        if status == 200 and self.behind(worker):
+            # In its own task: the health rounds go on while it waits for a broadcast in flight
+            # (the journal's lock) or replays a weight update.
+            if worker not in self._catching_up:
+                task = self._catching_up[worker] = asyncio.create_task(self.catch_up(worker))
+                task.add_done_callback(lambda _: self._catching_up.pop(worker, None))
+        else:
+            self.set_health(worker, status == 200, f" (/health answered {status})")
+
+    async def catch_up(self, worker: Worker) -> None:
+        """Replay on `worker` the admin calls it missed (a fresh one: the journal's net state),
+        then route to it again; on a failure it stays out, and the next health round retries."""
+        async with self.journal.lock:
+            if worker not in self.workers or not self.behind(worker):
+                return
+            if worker.synced is None:
+                calls = self.journal.restore()
+                seq, done = self._restoring.pop(worker, (self.journal.seq, 0))
+                done = done if seq == self.journal.seq else 0  # calls came in since: restore anew
+                for k in range(done, len(calls)):
+                    if error := await self._replay(worker, calls[k]):
+                        self._restoring[worker] = (self.journal.seq, k)
+                        return self._hold(worker, error)
+                replayed = len(calls) - done
+            else:
+                missed = self.journal.missed(worker.synced)
+                for seq, call in missed:
+                    if error := await self._replay(worker, call):
+                        return self._hold(worker, error)
+                    worker.synced = seq
+                replayed = len(missed)
+            worker.synced, worker.sync_error = self.journal.seq, ""
+            self.journal.trim([w.synced for w in self.workers])
+        self.set_health(worker, True, f" ({replayed} admin call(s) replayed on it)" if replayed else "")
+
+    async def _replay(self, worker: Worker, call: Call) -> str:
+        """'' when the worker took the call, else why not."""
+        assert self.session is not None
+        path, body = call
+        try:
+            async with self.session.post(
+                worker.url + path, json=body, headers=self.auth_headers(), timeout=ADMIN_TIMEOUT
+            ) as r:
+                return "" if r.status == 200 else f"replaying {path} answered {r.status}: {(await r.text())[:300]}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return f"replaying {path} failed: {type(e).__name__}: {e}"
+
+    def _hold(self, worker: Worker, error: str) -> None:
+        if error != worker.sync_error:  # once per distinct reason, not every health round
+            log.error("worker %s is held out of routing until its state matches the others: %s", worker.url, error)
+        worker.sync_error = error
+        self.set_health(worker, False, f" ({error})")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
@@ -134,10 +207,11 @@ class Router:
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self, app: web.Application) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in [self._health_task, *self._catching_up.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.session is not None:
             await self.session.close()
 
@@ -145,4 +219,13 @@ class Router:
 ROUTER = web.AppKey("router", Router)
 ExtraInfo = Callable[[Router], dict[str, Any]]
 
-__all__ = ["PROXY_TIMEOUT", "ROUTER", "ExtraInfo", "Router", "RouterConfig"]
+__all__ = [
+    "ADMIN_TIMEOUT",
+    "FORWARDED",
+    "INFO_TIMEOUT",
+    "PROXY_TIMEOUT",
+    "ROUTER",
+    "ExtraInfo",
+    "Router",
+    "RouterConfig",
+]
