@@ -165,6 +165,7 @@ class FakeReplica(Replica):
         self.runner: web.AppRunner | None = None
         self.gone = asyncio.Event()
         self.state_calls: list[tuple[str, dict]] = []  # since this process started
+        self.weight_version = "default"  # the start-up weights' (a server's --weight-version)
 
     @property
     def url(self) -> str | None:
@@ -190,7 +191,8 @@ class FakeReplica(Replica):
         app.router.add_get("/dashboard/ws", self.dashboard_feed)
         for path in STATE_ROUTES:
             app.router.add_post(path, self.state_call)
-        self.state_calls = []
+        app.router.add_get("/get_model_info", lambda r: web.json_response({"weight_version": self.weight_version}))
+        self.state_calls, self.weight_version = [], "default"
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         port = free_port()
@@ -305,6 +307,33 @@ async def test_a_restarted_replica_gets_the_weights_adapters_and_pause_its_sibli
                 ("/pause_generation", {"mode": "retract"}),
             ]
             assert replicas[0].state_calls == calls
+    finally:
+        await supervisor.stop_all()
+
+
+async def test_a_restarted_replica_without_the_trainers_broadcast_weights_is_held_out_until_it_gets_them():
+    """Weights a trainer sent to each replica's own URL (/update_weights_from_distributed) are
+    not in the front end's journal: a restarted replica serving another weight_version than its
+    sibling stays out of routing, saying why, until the trainer sends them to it too."""
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
+    await supervisor.start_all()
+    app = build_frontend(ServerConfig(load_balance_method="round_robin"), supervisor, "local")
+    try:
+        async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            supervisor.watch()
+            for replica in replicas:
+                replica.weight_version = "step-3"  # the trainer's broadcast, to each replica
+            await replicas[1].crash()
+            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: "sync_error" in e))
+            assert entry["restarts"] == 1 and not entry["healthy"] and entry["behind"]
+            assert "serves weight_version 'default'" in entry["sync_error"] and "'step-3'" in entry["sync_error"]
+            for _ in range(3):
+                async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert (await r.json()) == {"replica": 0}
+            replicas[1].weight_version = "step-3"  # the trainer sent them to the restarted one
+            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["healthy"]))
+            assert entry["behind"] is False and "sync_error" not in entry
     finally:
         await supervisor.stop_all()
 

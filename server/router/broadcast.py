@@ -23,6 +23,8 @@ from server.router.journal import STATE_ROUTES, parse_body
 from server.router.policy import Worker
 from server.router.state import ROUTER, Router
 
+SKIPPED = "unhealthy: skipped"
+
 
 def broadcaster(timeout: aiohttp.ClientTimeout):
     """A handler that POSTs the request's body to every healthy worker; success only if all of
@@ -51,7 +53,7 @@ async def send(
 
     async def one(worker: Worker) -> dict[str, Any]:
         if not worker.healthy:
-            return {"url": worker.url, "status": None, "success": False, "message": "unhealthy: skipped"}
+            return {"url": worker.url, "status": None, "success": False, "message": SKIPPED}
         try:
             async with session.post(worker.url + request.path, data=body, headers=headers, timeout=timeout) as r:
                 return {"url": worker.url, "status": r.status, "success": r.status == 200, "body": await r.text()}
@@ -74,7 +76,7 @@ def record(router: Router, path: str, body: bytes, results: list[dict[str, Any]]
             continue  # behind already: it catches up through the journal
         if ok:
             worker.synced = seq
-        else:
+        elif result.get("message") != SKIPPED:  # one skipped is behind as it is: it catches up when back
             why = result.get("message") or f"answered {result['status']}: {str(result.get('body'))[:300]}"
             worker.sync_error = f"{path} failed on it ({why})"
             router.set_health(worker, False, f" ({worker.sync_error}; held out until it is replayed)")

@@ -18,9 +18,11 @@ anywhere. A worker can then be behind in two ways:
 
 A weight update is recorded with the `weight_version` the workers reported, so a replay gives the
 caught-up worker the same version string as its siblings. Only what passes through the router is
-known: weights a trainer broadcast to one replica's own URL (`/update_weights_from_distributed`)
-are not replayed, and a standalone router cannot tell a worker restarted at the same address from
-one that was briefly unreachable (it replays what that worker missed, not the whole state).
+known: weights a trainer broadcast to each replica's own URL (`/update_weights_from_distributed`)
+cannot be replayed, so after its replays a worker must also report the `weight_version` a healthy
+sibling reports (GET /get_model_info); one that does not stays out, saying so, until the trainer
+sends it the weights too. A standalone router cannot tell a worker restarted at the same address
+from one that was briefly unreachable (it replays what that worker missed, not the whole state).
 """
 
 from __future__ import annotations

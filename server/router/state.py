@@ -125,7 +125,8 @@ class Router:
         return new
 
     def behind(self, worker: Worker) -> bool:
-        return worker.synced != self.journal.seq
+        """It missed admin calls, is a fresh process, or was held out for another reason."""
+        return worker.synced != self.journal.seq or bool(worker.sync_error)
 
     async def check(self, worker: Worker) -> None:
         assert self.session is not None
@@ -161,6 +162,9 @@ class Router:
                         self._restoring[worker] = (self.journal.seq, k)
                         return self._hold(worker, error)
                 replayed = len(calls) - done
+                if error := await self._version_error(worker):
+                    self._restoring[worker] = (self.journal.seq, len(calls))
+                    return self._hold(worker, error)
             else:
                 missed = self.journal.missed(worker.synced)
                 for seq, call in missed:
@@ -168,6 +172,8 @@ class Router:
                         return self._hold(worker, error)
                     worker.synced = seq
                 replayed = len(missed)
+                if error := await self._version_error(worker):
+                    return self._hold(worker, error)
             worker.synced, worker.sync_error = self.journal.seq, ""
             self.journal.trim([w.synced for w in self.workers])
         self.set_health(worker, True, f" ({replayed} admin call(s) replayed on it)" if replayed else "")
@@ -183,6 +189,33 @@ class Router:
                 return "" if r.status == 200 else f"replaying {path} answered {r.status}: {(await r.text())[:300]}"
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             return f"replaying {path} failed: {type(e).__name__}: {e}"
+
+    async def _version_error(self, worker: Worker) -> str:
+        """'' unless `worker` serves another weight_version than a healthy sibling: weights a
+        trainer sent past the router (`/update_weights_from_distributed` to each replica's own
+        URL) are not in the journal, and a replica that did not get them must not serve."""
+        sibling = next((w for w in self.workers if w is not worker and w.healthy), None)
+        if sibling is None:
+            return ""
+        mine, theirs = await asyncio.gather(self._weight_version(worker), self._weight_version(sibling))
+        if mine is None or theirs is None or mine == theirs:
+            return ""
+        return (
+            f"it serves weight_version {mine!r} and {sibling.url} serves {theirs!r}: weights were sent past the "
+            f"router (/update_weights_from_distributed to each worker's URL); send them to {worker.url} too"
+        )
+
+    async def _weight_version(self, worker: Worker) -> str | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                worker.url + "/get_model_info", headers=self.auth_headers(), timeout=INFO_TIMEOUT
+            ) as r:
+                info = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return version if isinstance(version, str) else None
 
     def _hold(self, worker: Worker, error: str) -> None:
         if error != worker.sync_error:  # once per distinct reason, not every health round
