@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Any
 
 from engine.actors.messages import (
     AbortAllReq,
@@ -134,9 +135,15 @@ def retract_all(sched: Scheduler) -> None:
         sched.retract_one(sched.running_batch)
 
 
+class RecordedError(Exception):
+    """A control step's failure as a flight recording has it ("Type: message"), for its replay."""
+
+
 class GenerationControlActions:
     """The scheduler actor's side of these controls (a base class of OverlapScheduler, which
-    provides `sched`, `stream`, `control`, the mailboxes and `emit` / `hand_back`)."""
+    provides `sched`, `stream`, `control`, `recorder`, the mailboxes and `emit` / `hand_back`)."""
+
+    _replaying: Any = None  # the control step a replay has begun
 
     def handle_control(
         self, msg: UpdateWeightsReq | PauseGenerationReq | ContinueGenerationReq | MemoryOccupationReq | AbortAllReq
@@ -159,24 +166,131 @@ class GenerationControlActions:
             self.abort_all(msg.message)
 
     async def control_turn(self) -> None:
-        """With nothing in flight: apply a pending pause, then the updates that may run now."""
+        """With nothing in flight: apply a pending pause, then the memory and weight-group
+        changes, then the updates that may run now. Each step is recorded as it begins and ends
+        (`ControlEvent`: a replay takes the same steps with the recorded outcomes, `replay_control`)."""
         control, sched = self.control, self.sched
-        if (pause := control.pending_pause) is not None:
-            control.pending_pause, control.paused = None, pause.mode
-            if pause.mode == "abort":
-                self.abort_all("generation paused (mode=abort)")
-            elif pause.mode == "retract":
-                retract_all(sched)
-                self.hand_back()
-            self.replies.send(ControlReply(pause.reply_id, True, {"mode": pause.mode}))
+        if control.pending_pause is not None:
+            self.apply_pause()
         while control.device_ops:
-            op = control.device_ops.popleft()
-            await (self.change_memory(op) if isinstance(op, MemoryOccupationReq) else self.weight_group(op))
+            op = self.begin_device_op()
+            runner = sched.runner
+            if isinstance(op, MemoryOccupationReq):
+                fn = runner.release_memory_occupation if op.release else runner.resume_memory_occupation
+                error = await self.on_device(fn, tuple(op.tags))
+            elif op.action == "init":
+                error = await self.on_device(runner.init_weights_update_group, **op.params)
+            else:
+                error = await self.on_device(runner.destroy_weights_update_group, **op.params)
+            self.end_device_op(op, error)
         while control.update_ready(sched):
-            if not sched.holds_nothing():  # paused in place: their KV is the old weights'
-                retract_all(sched)
+            msg = self.begin_update()
+            if msg.model_path is not None:
+                error = await self.on_device(sched.runner.update_weights_from_disk, msg.model_path)
+            elif msg.from_group is not None:
+                error = await self.on_device(sched.runner.update_weights_from_distributed, **msg.from_group)
+            else:
+                error = await self.on_device(sched.runner.update_weights_from_tensor, list(msg.named_tensors or ()))
+            self.end_update(msg, error)
+
+    def replay_control(self, action: str, phase: str, error: str | None) -> None:
+        """A recorded control step taken again without the device: its outcome is the recorded one
+        (engine/recorder/replay.py)."""
+        failed = None if error is None else RecordedError(error)
+        if action == "pause":
+            self.apply_pause()
+        elif action == "update":
+            if phase == "begin":
+                self._replaying = self.begin_update()
+            else:
+                msg, self._replaying = self._replaying, None
+                self.end_update(msg, failed)
+        elif phase == "begin":
+            self._replaying = self.begin_device_op()
+        else:
+            op, self._replaying = self._replaying, None
+            self.end_device_op(op, failed)
+
+    def replaying_control(self) -> MemoryOccupationReq | WeightGroupReq | UpdateWeightsReq | None:
+        """The step `replay_control` has begun and not yet ended."""
+        return self._replaying
+
+    def _record(self, action: str, phase: str, error: Exception | None = None) -> None:
+        if self.recorder is not None:
+            if error is not None and not isinstance(error, RecordedError):
+                error = RecordedError(f"{type(error).__name__}: {error}")
+            self.recorder.control(action, phase, None if error is None else str(error))
+
+    def apply_pause(self) -> None:
+        control = self.control
+        pause = control.pending_pause
+        assert pause is not None
+        control.pending_pause, control.paused = None, pause.mode
+        if pause.mode == "abort":
+            self.abort_all("generation paused (mode=abort)")
+        elif pause.mode == "retract":
+            retract_all(self.sched)
+            self.hand_back()
+        self._record("pause", "end")
+        self.replies.send(ControlReply(pause.reply_id, True, {"mode": pause.mode}))
+
+    def begin_device_op(self) -> MemoryOccupationReq | WeightGroupReq:
+        """The next memory or weight-group change; a release first retracts every request and
+        drops every cached prefix (the KV it names is freed, or belongs to weights that may come
+        back different)."""
+        op = self.control.device_ops.popleft()
+        if isinstance(op, MemoryOccupationReq) and op.release:
+            if not self.sched.holds_nothing():
+                retract_all(self.sched)
                 self.hand_back()
-            await self.run_update(control.updates.popleft())
+            self.sched.flush_cache(waiting_ok=True)
+        self._record("memory" if isinstance(op, MemoryOccupationReq) else "group", "begin")
+        return op
+
+    def end_device_op(self, op: MemoryOccupationReq | WeightGroupReq, error: Exception | None) -> None:
+        """Its outcome: the released tags (or the weight version resumed) and the reply."""
+        control = self.control
+        self._record("memory" if isinstance(op, MemoryOccupationReq) else "group", "end", error)
+        error_type = type(error).__name__ if error else None
+        if isinstance(op, WeightGroupReq):
+            payload: dict = {"error_type": error_type}
+        else:
+            tags = tuple(op.tags)
+            if error is None and op.release:
+                control.released.update(tags)
+            elif error is None:
+                if "weights" in tags and "weights" in control.released:
+                    control.weight_version = control.disk_version
+                control.released.difference_update(tags)
+            what = "released" if op.release else "resumed"
+            log.info("memory %s: %s (released now: %s)", what, ", ".join(tags), sorted(control.released) or "nothing")
+            payload = {"released": sorted(control.released), "error_type": error_type}
+        reply = ControlReply(op.reply_id, error is None, payload, error=None if error is None else str(error))
+        self.replies.send(reply)
+
+    def begin_update(self) -> UpdateWeightsReq:
+        """The next weight update; requests paused in place are retracted first (their KV is the
+        old weights')."""
+        if not self.sched.holds_nothing():
+            retract_all(self.sched)
+            self.hand_back()
+        self._record("update", "begin")
+        return self.control.updates.popleft()
+
+    def end_update(self, msg: UpdateWeightsReq, error: Exception | None) -> None:
+        """The prefix cache flushed and the version moved on, or (failed: nothing was swapped) the
+        old weights serve on; then the reply."""
+        self._record("update", "end", error)
+        if error is not None:
+            log.warning("weight update failed; the weights are unchanged: %s", error)
+            payload = {"error_type": type(error).__name__, "weight_version": self.control.weight_version}
+            self.replies.send(ControlReply(msg.reply_id, False, payload, error=str(error)))
+            return
+        if msg.flush_cache:
+            self.sched.flush_cache(waiting_ok=True)
+        version = self.control.next_version(msg)
+        log.info("weights updated (%s); weight_version=%s", msg.model_path or "from tensors", version)
+        self.replies.send(ControlReply(msg.reply_id, True, {"weight_version": version}))
 
     async def on_device(self, fn, *args, **kwargs) -> Exception | None:
         """Run `fn(*args, **kwargs)` on the device stream (between forwards), serving messages meanwhile;
@@ -193,64 +307,6 @@ class GenerationControlActions:
         except Exception as e:
             return e
         return None
-
-    async def run_update(self, msg: UpdateWeightsReq) -> None:
-        """One weight update on the device stream, then the reply."""
-        runner = self.sched.runner
-        if msg.model_path is not None:
-            error = await self.on_device(runner.update_weights_from_disk, msg.model_path)
-        elif msg.from_group is not None:
-            error = await self.on_device(runner.update_weights_from_distributed, **msg.from_group)
-        else:
-            error = await self.on_device(runner.update_weights_from_tensor, list(msg.named_tensors or ()))
-        if error is not None:  # nothing was swapped: the old weights serve on
-            log.warning("weight update failed; the weights are unchanged: %s", error)
-            payload = {"error_type": type(error).__name__, "weight_version": self.control.weight_version}
-            self.replies.send(ControlReply(msg.reply_id, False, payload, error=str(error)))
-            return
-        if msg.flush_cache:
-            self.sched.flush_cache(waiting_ok=True)
-        version = self.control.next_version(msg)
-        log.info("weights updated (%s); weight_version=%s", msg.model_path or "from tensors", version)
-        self.replies.send(ControlReply(msg.reply_id, True, {"weight_version": version}))
-
-    async def change_memory(self, msg: MemoryOccupationReq) -> None:
-        """Release (requests retracted first, every cached prefix dropped: the KV it names is
-        freed or belongs to weights that may come back different) or resume; then the reply."""
-        control, sched, runner = self.control, self.sched, self.sched.runner
-        tags = tuple(msg.tags)
-        if msg.release:
-            if not sched.holds_nothing():
-                retract_all(sched)
-                self.hand_back()
-            sched.flush_cache(waiting_ok=True)
-            error = await self.on_device(runner.release_memory_occupation, tags)
-        else:
-            error = await self.on_device(runner.resume_memory_occupation, tags)
-        if error is None:
-            if msg.release:
-                control.released.update(tags)
-            else:
-                if "weights" in tags and "weights" in control.released:
-                    control.weight_version = control.disk_version
-                control.released.difference_update(tags)
-        what = "released" if msg.release else "resumed"
-        log.info("memory %s: %s (released now: %s)", what, ", ".join(tags), sorted(control.released) or "nothing")
-        payload = {"released": sorted(control.released), "error_type": type(error).__name__ if error else None}
-        reply = ControlReply(msg.reply_id, error is None, payload, error=None if error is None else str(error))
-        self.replies.send(reply)
-
-    async def weight_group(self, msg: WeightGroupReq) -> None:
-        """Join or leave a trainer's weight-update group (on the device stream: the group's
-        broadcasts run there too); then the reply."""
-        runner = self.sched.runner
-        if msg.action == "init":
-            error = await self.on_device(runner.init_weights_update_group, **msg.params)
-        else:
-            error = await self.on_device(runner.destroy_weights_update_group, **msg.params)
-        payload = {"error_type": type(error).__name__ if error else None}
-        reply = ControlReply(msg.reply_id, error is None, payload, error=None if error is None else str(error))
-        self.replies.send(reply)
 
     def abort_all(self, message: str) -> None:
         """End every request: those held here now, the waiting ones in the PrefillAdder."""

@@ -234,7 +234,19 @@ class FailEvent(msgspec.Struct, frozen=True, tag="fail", array_like=True):
     out: OutRec
 
 
-Event = RecvEvent | RoundEvent | PlanEvent | BatchEvent | ResultEvent | FailEvent
+class ControlEvent(msgspec.Struct, frozen=True, tag="control", array_like=True):
+    """A rollout control step of the scheduler actor, between forwards (generation_control.py):
+    a pause taking hold, a memory or weight-group change or a weight update beginning and
+    ending, with the device's error if it failed (a replay takes the recorded outcome)."""
+
+    seq: int
+    t: float
+    action: str  # "pause", "memory", "group", "update"
+    phase: str  # "begin", "end" (a pause: "end" only)
+    error: str | None = None
+
+
+Event = RecvEvent | RoundEvent | PlanEvent | BatchEvent | ResultEvent | FailEvent | ControlEvent
 
 
 class Dump(msgspec.Struct, frozen=True):

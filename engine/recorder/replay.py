@@ -15,7 +15,11 @@ and walks the events in order:
   `complete_step` with the recorded tokens: the stand-in model, and the recorded stop-string
   finishes: the stand-in tokenizer; `fail_step`), and the decision it records must equal the
   recorded one;
-* a `BatchTokenOut` the output processor received must be one the replayed actors sent.
+* a `BatchTokenOut` the output processor received must be one the replayed actors sent;
+* a rollout control (pause, weight update, memory release or resume, weight-group join) is queued
+  as the scheduler actor queued it, and each `ControlEvent` makes it take the same step between
+  forwards (engine/actors/generation_control.py `replay_control`), the device's outcome (an
+  update that failed, and why) taken from the recording as the sampled tokens are.
 
 A dump recorded without prompts (the default: `Header.prompts_recorded` False) replays the same:
 its stand-in prompt ids share exactly the page-aligned prefixes the real prompts shared
@@ -44,12 +48,9 @@ from engine.actors.messages import (
     AbortAllReq,
     AbortReq,
     LoRAAdapterReq,
-    MemoryOccupationReq,
-    PauseGenerationReq,
     PrefillPlanReply,
     StopStrMatched,
     TokenizedGenerateReq,
-    UpdateWeightsReq,
 )
 from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
@@ -59,6 +60,7 @@ from engine.model_executor.model_runner import GenerationBatchResult
 from engine.models.loader import resolve_model
 from engine.recorder.events import (
     BatchEvent,
+    ControlEvent,
     Dump,
     FailEvent,
     Header,
@@ -84,7 +86,7 @@ from engine.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 SCHEDULER, ADDER, OUTPUT = "scheduler", "prefill_adder", "output_processor"
-DECISIONS = (RoundEvent, PlanEvent, BatchEvent, ResultEvent, FailEvent)
+DECISIONS = (RoundEvent, PlanEvent, BatchEvent, ResultEvent, FailEvent, ControlEvent)
 
 
 class ReplayError(Exception):
@@ -243,8 +245,24 @@ class Replayer:
                 self.actor.complete_step(
                     event.step, lb, _stand_in_result(event.token_ids, event.accepted), event.forward_s
                 )
+        elif isinstance(event, ControlEvent):
+            if not self._control_expected(event):
+                return "a control step the replayed scheduler has nothing for", event, None
+            self.actor.replay_control(event.action, event.phase, event.error)
         # PlanEvent: produced while handling the PlanPrefillReq before it
         return self._compare(event)
+
+    def _control_expected(self, event: ControlEvent) -> bool:
+        """Whether the replayed scheduler has the step the recording took queued (a pause,
+        a memory/group change, a ready update), so taking it cannot fail in the actor."""
+        control = self.actor.control
+        if event.phase == "end" and event.action != "pause":
+            return self.actor.replaying_control() is not None
+        if event.action == "pause":
+            return control.pending_pause is not None
+        if event.action == "update":
+            return control.update_ready(self.sched)
+        return bool(control.device_ops)
 
     def _compare(self, event: Any) -> tuple[str, Any, Any] | None:
         self.decisions += 1
@@ -274,10 +292,7 @@ class Replayer:
             if isinstance(msg, LoRAAdapterReq):
                 self._lora(msg)
                 return None
-            if isinstance(msg, (PauseGenerationReq, UpdateWeightsReq, MemoryOccupationReq)):
-                # applied between turns of the live loop, which replay does not run
-                raise ReplayError(f"the dump has a {type(msg).__name__}: rollout controls are not replayed yet")
-            self.actor.handle_message(msg)
+            self.actor.handle_message(msg)  # a rollout control is queued; its ControlEvents apply it
         elif actor == OUTPUT and isinstance(msg, TokenOutRec):
             recorded = OutRec(msg.rids, msg.token_ids, msg.finish_reasons)
             for box in (self.sched_out, self.adder_out):

@@ -37,6 +37,7 @@ from engine.recorder.events import (
     FORMAT_VERSION,
     BatchEvent,
     BudgetRec,
+    ControlEvent,
     Dump,
     FailEvent,
     Header,
@@ -137,6 +138,10 @@ class FlightRecorder:
     def fail(self, step: int, error: str, out: OutRec) -> None:
         seq, t = self._stamp()
         self._put(FailEvent(seq, t, step, error, out))
+
+    def control(self, action: str, phase: str, error: str | None) -> None:
+        seq, t = self._stamp()
+        self._put(ControlEvent(seq, t, action, phase, error))
 
     # ---- dumping ------------------------------------------------------------------------------
 
