@@ -137,6 +137,10 @@ class ServerArgs:
     # others run a worker loop. One host: the engine spawns them. Several hosts (SGLang's flags):
     # nnodes hosts, this one is node_rank, rendezvous at dist_init_addr ("HOST:PORT" of node 0).
     tp_size: int = 1
+    # Expert parallelism (SGLang's --ep-size): a mixture-of-experts layer's experts are split over
+    # ep_size sets of tp_size / ep_size ranks, each set holding num_experts / ep_size whole experts
+    # (sliced over its ranks as tensor parallelism slices them); 1: every rank a slice of every expert.
+    ep_size: int = 1
     # Speculative decoding (engine/speculative/, SGLang's flags): "NGRAM" drafts up to
     # speculative_num_draft_tokens tokens per running greedy request from its own prompt and
     # output, verified in one forward; None: off. 7: a verify of 8 rows is one pass of the CPU
@@ -195,6 +199,7 @@ class ServerArgs:
             "max_prefill_tokens",
             "page_size",
             "tp_size",
+            "ep_size",
             "nnodes",
             "speculative_num_draft_tokens",
         ):
@@ -218,6 +223,8 @@ class ServerArgs:
             fail("page_size", "1 with speculative decoding (drafts are verified slot by slot)")
         if not (is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes):
             fail("node_rank", f"an integer in [0, nnodes={self.nnodes})")
+        if self.tp_size % self.ep_size:
+            fail("ep_size", f"a divisor of tp_size ({self.tp_size}): each expert set is tp_size / ep_size ranks")
         if self.tp_size % self.nnodes:
             fail("tp_size", f"a multiple of nnodes ({self.nnodes}): every host runs as many ranks")
         addr = self.dist_init_addr

@@ -322,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor parallelism: shard every layer over this many ranks (torch.distributed: gloo on CPU, "
         "NCCL on CUDA); rank 0 runs the scheduler, the others a worker loop (default: 1)",
     )
+    g.add_argument(
+        "--ep-size",
+        "--expert-parallel-size",
+        type=positive_int,
+        help="expert parallelism for mixture-of-experts models: the experts split over this many sets of "
+        "tp-size / ep-size ranks, each set holding its experts whole or sliced over its ranks (default: 1)",
+    )
     g.add_argument("--nnodes", type=positive_int, help="hosts the tensor-parallel ranks span (default: 1)")
     g.add_argument("--node-rank", type=non_negative_int, help="this host's index among --nnodes (default: 0)")
     g.add_argument(
@@ -371,6 +378,7 @@ _ENGINE_OPTIONS = (
     "flight_recorder_dir",
     "flight_recorder_record_prompts",
     "tp_size",
+    "ep_size",
     "speculative_algorithm",
     "speculative_num_draft_tokens",
     "speculative_max_verify_tokens",

@@ -163,9 +163,9 @@ def assert_scheduler_matches_transformers(runner: ModelRunner, hf, name: str) ->
     assert len(score.values) == len(ids) and score.values[1:] == pytest.approx(ref.tolist(), abs=1e-4)
 
 
-def assert_tp2_matches_transformers(folder: str, hf) -> None:
-    """`run_scheduler` under `--tp-size 2` on `folder`: greedy tokens equal transformers'."""
-    args = family_args(folder, tp_size=2, torch_threads=1)
+def assert_tp2_matches_transformers(folder: str, hf, **overrides: object) -> ModelRunner:
+    """`run_scheduler` under `--tp-size 2` on `folder`: greedy tokens equal transformers'; rank 0's runner."""
+    args = family_args(folder, tp_size=2, torch_threads=1, **overrides)
     driver = TPDriver(args)
     try:
         runner = driver.load()
@@ -173,6 +173,7 @@ def assert_tp2_matches_transformers(folder: str, hf) -> None:
     finally:
         driver.stop(healthy=True)
     assert [r.output_ids for r in reqs] == [hf_greedy(hf, p) for p in prompts]
+    return runner
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(family):

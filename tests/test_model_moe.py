@@ -20,15 +20,17 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MixtralConfig, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from bench.gpu_parity import teacher_forced
 from engine import SyncScheduler
 from engine.distributed.parallel_state import TPGroup
+from engine.distributed.sharding import TPShard
 from engine.errors import InvalidServerArgsError, ModelLoadError
 from engine.layers.moe import FusedMoE
 from engine.model_config import QK_NORM_HEAD, ModelConfig
 from engine.model_executor.model_runner import ModelRunner
+from engine.models.llama import EXPERT_PROJS
 from engine.sampling import SamplingParams
 from tests.test_model_families import (
     BF16_SHAPE,
@@ -170,6 +172,56 @@ def test_update_weights_from_tensor_takes_expert_tensors(tmp_path):
 def test_tp2_qwen3moe_greedy_tokens_equal_transformers(tmp_path):
     hf = save_random_model(FAMILIES["qwen3moe-dense-layer-tied"](), INIT, tmp_path)
     assert_tp2_matches_transformers(str(tmp_path), hf)
+
+
+def test_ep2_mixtral_greedy_tokens_equal_transformers(tmp_path):
+    """--ep-size 2 over two ranks: each holds two of the four experts whole (and reads no tensor of
+    the other two); the all-reduce sums the two sets' outputs."""
+    hf = save_random_model(FAMILIES["mixtral-top3-tied"](), INIT, tmp_path)
+    runner = assert_tp2_matches_transformers(str(tmp_path), hf, ep_size=2)
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moe and all((m.expert_start, m.num_local_experts, m.w13.shape[0]) == (0, 2, 2) for m in moe)
+    assert all(m.intermediate_size == 32 for m in moe)  # whole experts: a set of one rank
+
+
+def test_expert_sets_split_the_experts_and_sum_to_the_whole_layer():
+    """SGLang's layout: tp 4, ep 2 is two sets of two ranks; set k holds experts [4k, 4k+4), each
+    sliced over the set's two ranks. The partial outputs of all four ranks sum to the layer's."""
+    cfg = ModelConfig.from_hf(FAMILIES["qwen3moe-norm"](), ARCH["qwen3moe"])
+    shards = [TPShard.of(cfg, rank, 4, ep_size=2) for rank in range(4)]
+    assert [(s.expert_start, s.num_local_experts, s.moe_tp_rank) for s in shards] == [
+        (0, 4, 0), (0, 4, 1), (4, 4, 0), (4, 4, 1),
+    ]  # fmt: skip
+    gate5, down1 = "model.layers.0.mlp.experts.5.gate_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"
+    assert [s.weight_slice(gate5) for s in shards] == [(0, 0, 0), (0, 0, 0), (0, 0, 16), (0, 16, 32)]
+    assert [s.weight_slice(down1) for s in shards] == [(1, 0, 16), (1, 16, 32), (1, 0, 0), (1, 0, 0)]
+    torch.manual_seed(4)
+    hidden, experts, top_k, inter = 24, 8, 2, 16
+    cpu, single = torch.device("cpu"), TPGroup.single()
+    whole = FusedMoE(hidden, experts, top_k, inter, "silu", True, False, single, cpu, torch.float32)
+    for p in whole.parameters():
+        p.data.normal_(0, 0.5)
+    x = torch.randn(29, hidden)
+    total = torch.zeros_like(x)
+    for start in (0, 4):
+        part = FusedMoE(hidden, experts, top_k, inter, "silu", True, False, single, cpu, torch.float32, start, 4)
+        part.gate.data.copy_(whole.gate)
+        for e in range(start, start + 4):
+            for proj in EXPERT_PROJS:
+                part.expert_weight(e, proj).copy_(whole.expert_weight(e, proj))
+        total += part(x)
+    torch.testing.assert_close(total, whole(x), atol=1e-5, rtol=1e-5)
+
+
+def test_ep_size_is_checked():
+    dense = ModelConfig.from_hf(FAMILIES["qwen3moe-norm"](), ARCH["qwen3moe"])
+    with pytest.raises(InvalidServerArgsError, match="does not divide the model's 8 experts"):
+        TPShard.of(dense, 0, 3, ep_size=3)
+    with pytest.raises(InvalidServerArgsError, match="a divisor of tp_size"):
+        family_args("/nonexistent", tp_size=2, ep_size=4).verify()
+    llama = ModelConfig.from_hf(LlamaConfig(**COMMON), "LlamaForCausalLM")
+    with pytest.raises(InvalidServerArgsError, match="needs a mixture-of-experts model"):
+        TPShard.of(llama, 0, 2, ep_size=2)
 
 
 BF16_FAMILIES = {

@@ -171,14 +171,14 @@ def start_driver(args: ServerArgs, source: ModelSource) -> tuple[WorkerProcesses
     The workers are killed if the rendezvous fails."""
     args.verify()  # before any process starts: the options, then the model's split
     cfg = ModelConfig.from_hf(source.hf_config, source.architecture, source.generation_eos)
-    check_tp_size(cfg, args.tp_size)
+    check_tp_size(cfg, args.tp_size, args.ep_size)
     layout = RankLayout.of(args)
     if layout.node_rank != 0:
         raise InvalidServerArgsError("only node 0 runs the engine; start other nodes with their node_rank", "node_rank")
     workers = WorkerProcesses(args, layout)
     try:
         device = args.resolved_device()
-        group = TPGroup.init(0, layout.tp_size, layout.per_node, layout.init_method, device, RENDEZVOUS_S)
+        group = TPGroup.init(0, layout.tp_size, layout.per_node, layout.init_method, device, RENDEZVOUS_S, args.ep_size)
     except BaseException:
         workers.kill()
         raise

@@ -58,9 +58,13 @@ class TPGroup:
         local_size: int = 1,
         device_group: dist.ProcessGroup | None = None,
         cpu_group: dist.ProcessGroup | None = None,
+        ep_size: int = 1,
     ) -> None:
         self.rank = rank
         self.size = size
+        # expert parallelism inside the group (SGLang's --ep-size): a MoE layer's experts split
+        # over ep_size sets of size/ep_size ranks (engine/distributed/sharding.py)
+        self.ep_size = ep_size
         self.local_size = local_size  # ranks on this host (they share its memory and cores)
         self.device_group = device_group
         self.cpu_group = cpu_group
@@ -71,7 +75,14 @@ class TPGroup:
 
     @classmethod
     def init(
-        cls, rank: int, size: int, local_size: int, init_method: str, device: torch.device, rendezvous_s: float
+        cls,
+        rank: int,
+        size: int,
+        local_size: int,
+        init_method: str,
+        device: torch.device,
+        rendezvous_s: float,
+        ep_size: int = 1,
     ) -> TPGroup:
         """Join the group: blocks until every rank has joined, or `rendezvous_s` (then raises).
 
@@ -92,7 +103,7 @@ class TPGroup:
             )
             device_group = dist.new_group(backend=backend, timeout=STEP_TIMEOUT)
             cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=STEP_TIMEOUT)
-            return cls(rank, size, local_size, device_group, cpu_group)
+            return cls(rank, size, local_size, device_group, cpu_group, ep_size)
 
         group = _guarded(f"rendezvous at {init_method}", join)
         log.info("tensor-parallel rank %d of %d joined (%s, %s)", rank, size, backend, init_method)

@@ -8,7 +8,11 @@
 - Vocab-parallel: the embedding and the LM head hold `ceil(V/N)` vocabulary rows each (the last
   shard padded with zero rows); the lookup is masked and all-reduced, the logits gathered.
 - Mixture of experts: each expert's gate/up rows and down columns are split as the MLP's (every
-  rank holds its slice of every expert); the router is replicated.
+  rank holds its slice of every expert); the router is replicated. With expert parallelism
+  (`ep_size`, SGLang's layout) the ranks form `ep_size` sets of `size / ep_size` consecutive
+  ranks; set k holds experts `[k*E/ep, (k+1)*E/ep)`, each sliced over the set's ranks as above,
+  and reads no tensor of another set's experts. Either way every rank's partial output is summed
+  by the layer's all-reduce.
 - Everything else (norms, q/k norms) is replicated.
 
 `weight_slice` tells the loader which slice of a checkpoint tensor to read, so a rank reads its
@@ -33,13 +37,20 @@ _ROW_ATTN = "self_attn.o_proj"
 _ROW_MLP = "mlp.down_proj"
 # an expert's projection inside a layer, as Qwen3-MoE and Mixtral checkpoints name them
 # (`mlp.experts.<e>.gate_proj`, `block_sparse_moe.experts.<e>.w1`): module -> column (True) or row
-_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)")
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3|down_proj|w2)")
 _EXPERT_COLUMN = ("gate_proj", "up_proj", "w1", "w3")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # checkpoint names split by vocabulary row
 
 
-def check_tp_size(cfg: ModelConfig, size: int) -> None:
-    """Raise InvalidServerArgsError unless the model splits evenly over `size` ranks."""
+def check_tp_size(cfg: ModelConfig, size: int, ep_size: int = 1) -> None:
+    """Raise InvalidServerArgsError unless the model splits evenly over `size` ranks (its experts
+    over `ep_size` sets of them)."""
+    if ep_size > 1 and not cfg.num_experts:
+        raise InvalidServerArgsError(f"ep_size {ep_size} needs a mixture-of-experts model", "ep_size")
+    if ep_size > 1 and cfg.num_experts % ep_size:
+        raise InvalidServerArgsError(
+            f"ep_size {ep_size} does not divide the model's {cfg.num_experts} experts", "ep_size"
+        )
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -47,7 +58,7 @@ def check_tp_size(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} KV heads (a multiple or a divisor of the size is needed)")
     if cfg.intermediate_size % size:
         problems.append(f"an MLP width of {cfg.intermediate_size}")
-    if cfg.num_experts and cfg.moe_intermediate_size % size:
+    if cfg.num_experts and cfg.moe_intermediate_size % (size // ep_size):
         problems.append(f"an expert width of {cfg.moe_intermediate_size}")
     if problems:
         raise InvalidServerArgsError(f"tp_size {size} does not divide the model's {' and '.join(problems)}", "tp_size")
@@ -69,10 +80,15 @@ class TPShard:
     vocab_rows: int  # rows of this rank's embedding / LM head shard (ceil(V / size), padded)
     vocab_start: int
     moe_intermediate_size: int = 0  # each expert's columns on this rank (0: a dense model)
+    expert_start: int = 0  # this rank's experts: [expert_start, expert_start + num_local_experts)
+    num_local_experts: int = 0
+    moe_tp_rank: int = 0  # this rank's place in its expert set (which columns of each expert)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPShard:
-        check_tp_size(cfg, size)
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1, ep_size: int = 1) -> TPShard:
+        check_tp_size(cfg, size, ep_size)
+        moe_tp_size = size // ep_size  # ranks per expert set
+        local_experts = cfg.num_experts // ep_size
         heads = cfg.num_heads // size
         kv_heads = max(1, cfg.num_kv_heads // size)
         rows = -(-cfg.vocab_size // size)
@@ -88,8 +104,14 @@ class TPShard:
             vocab_size=cfg.vocab_size,
             vocab_rows=rows,
             vocab_start=rank * rows,
-            moe_intermediate_size=cfg.moe_intermediate_size // size,
+            moe_intermediate_size=cfg.moe_intermediate_size // moe_tp_size,
+            expert_start=rank // moe_tp_size * local_experts,
+            num_local_experts=local_experts,
+            moe_tp_rank=rank % moe_tp_size,
         )
+
+    def holds_expert(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
 
     @property
     def vocab_end(self) -> int:
@@ -108,8 +130,11 @@ class TPShard:
         d = self.head_dim
         expert = _EXPERT.fullmatch(module)
         if expert is not None and kind == "weight":
-            first = self.rank * self.moe_intermediate_size
-            return (0 if expert.group(1) in _EXPERT_COLUMN else 1), first, first + self.moe_intermediate_size
+            dim = 0 if expert.group(2) in _EXPERT_COLUMN else 1
+            if not self.holds_expert(int(expert.group(1))):
+                return dim, 0, 0  # another expert set's: nothing is read
+            first = self.moe_tp_rank * self.moe_intermediate_size
+            return dim, first, first + self.moe_intermediate_size
         if module in _COLUMN_Q:
             return 0, self.q_head_start * d, (self.q_head_start + self.num_heads) * d
         if module in _COLUMN_KV:

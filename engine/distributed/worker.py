@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        tp = TPGroup.init(ns.rank, args.tp_size, ns.local_size, ns.init_method, device, RENDEZVOUS_S)
+        tp = TPGroup.init(ns.rank, args.tp_size, ns.local_size, ns.init_method, device, RENDEZVOUS_S, args.ep_size)
         runner = ModelRunner(args, tp=tp)
         reason = serve_steps(runner)
     except Exception:

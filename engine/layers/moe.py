@@ -5,7 +5,7 @@ a router picks `top_k` of `num_experts` gated MLPs per token and sums their outp
 `[E, 2I, H]` (gate rows, then up rows: one GEMM per expert, as `LlamaMLP`'s fused gate|up) and
 `w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. Experts are dense only: no oneDNN-prepacked
 or int4 form yet (`process_weights_after_loading` finalizes `DenseLinear` modules, which these
-are not), and no expert parallelism.
+are not).
 
 Routing follows transformers' op order exactly (fp32 greedy tokens are compared token for token):
 router logits in the model dtype -> softmax in fp32 -> top-k -> divided by their sum when
@@ -18,8 +18,11 @@ order (transformers' summation order).
 
 Under tensor parallelism each rank holds its slice of every expert's intermediate columns (its
 rows of gate and of up, its columns of down): its output is a partial sum, all-reduced as
-`LlamaMLP`'s. The router is replicated, so every rank routes every token alike. The per-expert
-loop reads the group sizes on the host: no CUDA graph can capture it.
+`LlamaMLP`'s. With expert parallelism (`--ep-size`) a rank holds only its set's experts
+(`expert_start`, `num_local_experts`; engine/distributed/sharding.py), sliced over the set, and
+runs only the (token, choice) pairs routed to them: the all-reduce sums the sets' outputs. The
+router is replicated, so every rank routes every token alike. The per-expert loop reads the
+group sizes on the host: no CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,13 @@ class FusedMoE(nn.Module):
         tp: TPGroup,
         device: torch.device,
         dtype: torch.dtype,
+        expert_start: int = 0,  # this rank's experts (expert parallelism): [start, start + local)
+        num_local_experts: int | None = None,  # None: all of them
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
+        self.expert_start = expert_start
+        self.num_local_experts = local = num_experts if num_local_experts is None else num_local_experts
         self.renormalize, self.fp32_weights = renormalize, fp32_weights
         self.tp = tp
 
@@ -57,13 +64,18 @@ class FusedMoE(nn.Module):
             return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
 
         self.gate = param(num_experts, hidden_size)
-        self.w13 = param(num_experts, 2 * intermediate_size, hidden_size)
-        self.w2 = param(num_experts, hidden_size, intermediate_size)
+        self.w13 = param(local, 2 * intermediate_size, hidden_size)
+        self.w2 = param(local, hidden_size, intermediate_size)
         self.act_fn = get_act_and_mul(hidden_act, intermediate_size, device, dtype)
+
+    def holds(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
 
     def expert_weight(self, expert: int, proj: str) -> torch.Tensor:
         """The part of `w13`/`w2` that checkpoint tensor `experts.<expert>.<proj>.weight` fills
-        (a view; `proj` is `gate_proj`, `up_proj` or `down_proj`)."""
+        (a view; `expert` one this rank holds; `proj` is `gate_proj`, `up_proj` or `down_proj`)."""
+        assert self.holds(expert), f"expert {expert} is not on this rank"
+        expert -= self.expert_start
         i = self.intermediate_size
         if proj == "gate_proj":
             return self.w13.data[expert, :i]
@@ -81,10 +93,16 @@ class FusedMoE(nn.Module):
         return (weights if self.fp32_weights else weights.to(logits.dtype)), ids
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of `weight * expert(x)`, tokens grouped by expert."""
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs, grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        """Sum over each token's chosen experts (this rank's) of `weight * expert(x)`, tokens
+        grouped by expert."""
+        flat = ids.flatten() - self.expert_start
+        if self.num_local_experts < self.num_experts:  # expert parallelism: this rank's pairs only
+            pairs = ((flat >= 0) & (flat < self.num_local_experts)).nonzero().squeeze(1)
+            flat = flat[pairs]
+            order = pairs[torch.argsort(flat, stable=True)]  # (token, choice) pairs, grouped by expert
+        else:
+            order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local_experts).tolist()
         tokens = order // self.top_k
         scale = weights.flatten()[order, None]
         out = torch.zeros_like(x)

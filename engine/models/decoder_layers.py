@@ -111,7 +111,7 @@ def make_mlp(
         return LlamaMLP(cfg, layer_id, tp, shard, device, dtype)
     return FusedMoE(
         cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, shard.moe_intermediate_size, cfg.hidden_act,
-        cfg.norm_topk_prob, cfg.moe_fp32_weights, tp, device, dtype,
+        cfg.norm_topk_prob, cfg.moe_fp32_weights, tp, device, dtype, shard.expert_start, shard.num_local_experts,
     )  # fmt: skip
 
 

@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp if tp is not None else TPGroup.single()
-        self.shard = shard = TPShard.of(cfg, self.tp.rank, self.tp.size)
+        self.shard = shard = TPShard.of(cfg, self.tp.rank, self.tp.size, self.tp.ep_size)
         rows = shard.vocab_rows
         self.embed_tokens = VocabEmbedding(
             rows, cfg.hidden_size, device, dtype, self.tp, shard.vocab_start, cfg.embedding_multiplier,
@@ -262,8 +262,10 @@ class LlamaForCausalLM(nn.Module):
             elif rest == "mlp.gate.weight" and prefix + "mlp.gate" in self._param_names:
                 return WeightTarget(PARAM, prefix + "mlp.gate")  # a MoE layer's router
             elif (expert := _EXPERT_WEIGHT.fullmatch(rest)) and prefix + "mlp.w13" in self._param_names:
-                if int(expert[1]) < self.cfg.num_experts:
+                if self.shard.holds_expert(int(expert[1])):
                     return WeightTarget(EXPERT, prefix + "mlp", int(expert[1]), expert[2])
+                if int(expert[1]) < self.cfg.num_experts:
+                    return WeightTarget(SKIP)  # another expert set's (expert parallelism)
             elif "rotary_emb" in rest:
                 return WeightTarget(SKIP)
         raise ModelLoadError(f"unexpected weight {name} for {self.cfg.architecture}")
@@ -307,7 +309,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if isinstance(module, FusedMoE):  # the router, and each expert's three projections
                 parts.add((f"{module_name}.gate", 0))
-                parts |= {(f"{module_name}.experts.{p}", e) for p in EXPERT_PROJS for e in range(module.num_experts)}
+                local = range(module.expert_start, module.expert_start + module.num_local_experts)
+                parts |= {(f"{module_name}.experts.{p}", e) for p in EXPERT_PROJS for e in local}
                 continue
             n = len(module.output_sizes) if isinstance(module, DenseLinear) else 1
             for kind, _ in module.named_parameters(recurse=False):
