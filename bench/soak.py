@@ -3,7 +3,10 @@
 It sends `--num-requests` requests (default 2,000) at `--concurrency` work units at a time, mixing
 `/v1/chat/completions` (streaming or not, `n` 1-3, logprobs or not), `/generate` (streaming or
 not, `n` 1-2) and `/ws` sessions of several generations per socket, over a few shared prompt
-prefixes with random suffixes and random `max_tokens`, all with `ignore_eos`. A fraction
+prefixes with random suffixes and random `max_tokens`, all with `ignore_eos`. With LoRA adapters
+(`--num-lora-adapters N` with `--launch`, or `--lora-adapter NAME` per adapter a running server
+has), each request names one of them or the base model (`model` on the OpenAI route, `lora_path`
+on /generate and /ws), and the greedy re-runs use the same adapter. A fraction
 (`--abort-fraction`, 0.3) is aborted at a random point: the client disconnects, posts the rid to
 /abort_request, cancels over the socket or closes it (bench/soak_plan.py). The workload is a pure
 function of `--seed`.
@@ -56,7 +59,7 @@ from bench.soak_checks import (
 )
 from bench.soak_clients import Outcome, SoakClient
 from bench.soak_plan import KINDS, SoakPlan, SoakRequest, WorkUnit, build_plan
-from bench.soak_server import LaunchedServer, LaunchError
+from bench.soak_server import LaunchedServer, LaunchError, write_adapters
 from bench.soak_ws import run_ws_session
 
 MAX_FAILURES_LISTED = 50
@@ -81,6 +84,7 @@ class SoakConfig:
     max_rss_growth_mb: float = 50.0
     warmup_fraction: float = 0.1  # the RSS baseline is taken after this share of the requests
     progress: bool = False
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters the server has: requests spread over them
 
 
 @dataclass
@@ -144,12 +148,16 @@ async def _greedy_reruns(run: _Run, verdicts: dict[int, str]) -> dict[str, Any]:
         verdict = judge(req, alone)
         diff = "; ".join(alone.errors) if verdict != "ok" else compare_outputs(run.outcomes[i], alone)
         if diff is not None:
-            mismatches.append({"index": i, "kind": req.kind, "n": req.n, "max_tokens": req.max_tokens, "detail": diff})
+            mismatches.append(
+                {"index": i, "kind": req.kind, "n": req.n, "max_tokens": req.max_tokens, "adapter": req.adapter}
+                | {"detail": diff}
+            )
     return {"candidates": len(candidates), "checked": len(sample), "mismatches": mismatches}
 
 
 def _summary(plan: SoakPlan, run: _Run, verdicts: dict[int, str]) -> dict[str, Any]:
     per_kind: dict[str, Counter] = {k: Counter() for k in KINDS}
+    per_adapter: dict[str, Counter] = {}
     latency: dict[str, list[float]] = {k: [] for k in KINDS}
     ttft: dict[str, list[float]] = {k: [] for k in KINDS}
     tokens = 0
@@ -157,6 +165,8 @@ def _summary(plan: SoakPlan, run: _Run, verdicts: dict[int, str]) -> dict[str, A
         out, verdict, c = run.outcomes[req.index], verdicts[req.index], per_kind[req.kind]
         c["requests"] += 1
         c[verdict] += 1
+        if plan.adapters:
+            per_adapter.setdefault(req.adapter or "(base model)", Counter())[verdict] += 1
         c["abort_planned"] += req.abort is not None
         c["abort_sent"] += out.abort_sent
         c["abort_raced"] += out.abort_sent and verdict == "ok"  # the request finished first: checked
@@ -173,6 +183,7 @@ def _summary(plan: SoakPlan, run: _Run, verdicts: dict[int, str]) -> dict[str, A
     return {
         "totals": dict(totals),
         "per_endpoint": {k: dict(c) for k, c in per_kind.items()},
+        **({"per_adapter": {k: dict(c) for k, c in sorted(per_adapter.items())}} if plan.adapters else {}),
         "checked_tokens": tokens,
         "latency_s": {k: percentiles(v) for k, v in latency.items()},
         "ttft_s": {k: percentiles(v) for k, v in ttft.items() if v},
@@ -196,12 +207,17 @@ async def _idle_point(client: SoakClient, cfg: SoakConfig, baseline: int) -> dic
 async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     """The whole run against `cfg.url`; the report (`report["passed"]` says whether it passed)."""
     plan = build_plan(
-        cfg.num_requests, cfg.seed, cfg.abort_fraction, cfg.max_tokens, warmup_fraction=cfg.warmup_fraction
+        cfg.num_requests,
+        cfg.seed,
+        cfg.abort_fraction,
+        cfg.max_tokens,
+        warmup_fraction=cfg.warmup_fraction,
+        adapters=cfg.adapters,
     )
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        client = SoakClient(session, cfg.url, uuid.uuid4().hex[:8], headers)
+        client = SoakClient(session, cfg.url, uuid.uuid4().hex[:8], headers, lora=bool(cfg.adapters))
         try:
             baseline = (await server_info(client)).get("inflight_generations") or 0
         except (aiohttp.ClientError, OSError, RuntimeError, TimeoutError, KeyError, ValueError) as e:
@@ -345,7 +361,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="requests before the RSS baseline")
     p.add_argument("--report", type=Path, help="write the JSON report here")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--num-lora-adapters",
+        type=int,
+        default=0,
+        help="with --launch: this many random rank-8 adapters of the model, served with --enable-lora",
+    )
+    lora.add_argument(
+        "--lora-adapter", action="append", default=[], help="with --url: an adapter the server has (repeat)"
+    )
     args = p.parse_args(argv)
+    if (args.num_lora_adapters and not args.launch) or (args.lora_adapter and args.launch):
+        p.error("--num-lora-adapters goes with --launch, --lora-adapter with --url")
     if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         p.error("--num-requests, --concurrency and --max-tokens must be positive")
     if not 0 <= args.abort_fraction <= 1 or not 0 <= args.warmup_fraction < 1:
@@ -371,10 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         max_rss_growth_mb=args.max_rss_growth_mb,
         warmup_fraction=args.warmup_fraction,
         progress=True,
+        adapters=args.lora_adapter,
     )
     server = None
     if args.launch:
         extra = ["--dtype", args.dtype, *args.server_arg]
+        if args.num_lora_adapters > 0:
+            cfg.adapters = [f"soak-{i}" for i in range(args.num_lora_adapters)]
+            extra += ["--enable-lora", "--lora-paths", *write_adapters(args.model_path, cfg.adapters)]
         if args.api_key:
             extra += ["--api-key", args.api_key]
         server = LaunchedServer(args.model_path, extra, args.server_log)

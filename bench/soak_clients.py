@@ -82,8 +82,11 @@ async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
 class SoakClient:
     """One aiohttp session against the server; counts every status it sees per endpoint."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, run_id: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, run_id: str, headers: dict[str, str], lora: bool = False
+    ) -> None:
         self.session, self.base, self.run_id, self.headers = session, base_url.rstrip("/"), run_id, headers
+        self.lora = lora  # the server serves adapters: a bad request may name one it does not have
         self.statuses: Counter[str] = Counter()
         self.server_errors: list[str] = []
         self.bad_error_bodies: list[str] = []
@@ -133,6 +136,8 @@ class SoakClient:
             ("/v1/chat/completions", {**chat, "messages": []}, 400),
             ("/generate", {"text": "hi", "sampling_params": {"temperature": -1.0}}, 400),
         ]
+        if self.lora:  # first, so a short run sends it too
+            cases.insert(0, ("/generate", {"text": "hi", "lora_path": "no-such-adapter"}, 400))
         path, body, want = cases[variant % len(cases)]
         kw = {"data": body, "headers": {**self.headers, "Content-Type": "application/json"}}
         what = f"bad request {variant % len(cases)} to {path}"
@@ -215,6 +220,8 @@ class SoakClient:
         }
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
+        if req.adapter is not None:
+            body["model"] = req.adapter  # vLLM's and SGLang's way to name an adapter on OpenAI routes
         return body
 
     async def _chat(self, req: SoakRequest, out: Outcome) -> None:
@@ -279,13 +286,14 @@ class SoakClient:
 
     def _generate_body(self, req: SoakRequest, stream: bool) -> dict[str, Any]:
         sp = {"max_new_tokens": req.max_tokens, "temperature": req.temperature, "ignore_eos": True, "n": req.n}
-        return {
+        body = {
             "text": req.text,
             "sampling_params": sp,
             "rid": req.rid(self.run_id),
             "stream": stream,
             "return_logprob": req.logprobs,
         }
+        return body | ({"lora_path": req.adapter} if req.adapter is not None else {})
 
     @staticmethod
     def _native_choice(ch: Choice, obj: dict[str, Any], logprobs: bool) -> None:

@@ -11,12 +11,13 @@ Requests are grouped into work units: one HTTP request, or one WebSocket session
 several generations concurrently on one socket; after every `invalid_every` units comes one
 deliberately bad request (not counted in `num_requests`), which must get its 4xx. The first units,
 covering about `warmup_fraction` of the requests, are the warm-up (the RSS baseline is taken
-after them).
+after them). With LoRA adapters, each request runs under one of them or the base model.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 KINDS = ("chat", "chat_stream", "generate", "generate_stream", "ws")
@@ -68,6 +69,7 @@ class SoakRequest:
     logprobs: bool  # chat: per-token logprobs (counts tokens per choice); generate: return_logprob
     abort: AbortPlan | None = None
     ws_offset: float = 0.0  # seconds after its session opened that a ws generation is sent
+    adapter: str | None = None  # a LoRA adapter's name (`model` / `lora_path`); None: the base model
 
     @property
     def text(self) -> str:
@@ -104,6 +106,7 @@ class SoakPlan:
     units: list[WorkUnit]
     warmup_units: int  # the first this many units are the warm-up
     prefixes: list[str]
+    adapters: list[str] = field(default_factory=list)  # the LoRA adapters the requests draw from
 
     @property
     def requests(self) -> list[SoakRequest]:
@@ -131,8 +134,11 @@ def build_plan(
     ws_session: tuple[int, int] = (2, 6),
     warmup_fraction: float = 0.1,
     invalid_every: int = 50,
+    adapters: Sequence[str] = (),
 ) -> SoakPlan:
-    """The whole workload for `seed`: pure, so a run can be replayed."""
+    """The whole workload for `seed`: pure, so a run can be replayed. With `adapters`, each
+    request names one of them or none (the base model), uniformly; drawn after everything else,
+    so the same seed gives the same requests with or without adapters."""
     if num_requests < 1:
         raise ValueError("num_requests must be at least 1")
     if not 0.0 <= abort_fraction <= 1.0:
@@ -186,4 +192,7 @@ def build_plan(
     while warm < len(units) and seen < warmup_fraction * num_requests:
         seen += len(units[warm].requests)
         warm += 1
-    return SoakPlan(units, warm, prefixes)
+    if adapters:
+        for r in reqs:
+            r.adapter = rng.choice([None, *adapters])
+    return SoakPlan(units, warm, prefixes, list(adapters))

@@ -124,3 +124,14 @@ class LaunchedServer:
         if self._log is not None:
             self._log.close()
         return self.proc.returncode
+
+
+def write_adapters(model_path: str, names: list[str]) -> list[str]:
+    """Random rank-8 PEFT adapters of the model, one per name, in a temporary folder; `--lora-paths` values."""
+    from bench.lora_adapters import write_adapter
+    from engine import resolve_model
+
+    hf_config, root = resolve_model(model_path).hf_config, Path(tempfile.mkdtemp(prefix="soak-lora-"))
+    for seed, name in enumerate(names):
+        write_adapter(root / name, hf_config, rank=8, seed=seed)
+    return [f"{name}={root / name}" for name in names]

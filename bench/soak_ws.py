@@ -34,7 +34,8 @@ class _Gen:
 
 def _generate_msg(gen_id: str, req: SoakRequest) -> dict[str, Any]:
     sp = {"max_new_tokens": req.max_tokens, "temperature": req.temperature, "ignore_eos": True, "n": req.n}
-    return {"type": "generate", "id": gen_id, "text": req.text, "sampling_params": sp}
+    msg = {"type": "generate", "id": gen_id, "text": req.text, "sampling_params": sp}
+    return msg | ({"lora_path": req.adapter} if req.adapter is not None else {})
 
 
 class _Session:

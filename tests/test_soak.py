@@ -1,16 +1,19 @@
 """The soak harness (bench/soak.py): its plan and its judge on made-up outcomes, then the short run
 (200 requests: chat stream and not with n 1-3, /generate, /ws sessions; 30% aborted by disconnect,
 /abort_request, ws cancel or ws close) against a real server with the tiny model, whose report must
-pass every check. The full 2,000-request run and its numbers are in docs/RELIABILITY.md."""
+pass every check, and a shorter one spread over LoRA adapters. The full 2,000-request run and its
+numbers are in docs/RELIABILITY.md."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
 from bench.soak import SoakConfig, run_soak
 from bench.soak_checks import judge
 from bench.soak_clients import Choice, Outcome
 from bench.soak_plan import KINDS, AbortPlan, SoakRequest, build_plan
+from bench.soak_server import write_adapters
 from tests.server_helpers import TINY_ARGS, ServerProcess, tiny_model_dir  # noqa: F401 (fixture)
 
 
@@ -33,6 +36,9 @@ def test_the_plan_is_a_function_of_the_seed():
     assert len(a.units) - len(good) == len(good) // 50  # one bad request after every 50 units
     warm = sum(len(u.requests) for u in a.units[: a.warmup_units])
     assert 30 <= warm < 30 + 6
+    lora = build_plan(300, seed=7, adapters=["x", "y"])  # the same requests, each under an adapter or the base
+    assert [{**r.__dict__, "adapter": None} for r in lora.requests] == [r.__dict__ for r in reqs]
+    assert {r.adapter for r in lora.requests} == {None, "x", "y"} and lora.adapters == ["x", "y"]
 
 
 def _req(kind: str = "generate", n: int = 1, max_tokens: int = 5, abort: AbortPlan | None = None) -> SoakRequest:
@@ -100,5 +106,42 @@ async def test_short_soak_passes(soak_server):
         assert counts.get("ok", 0) > 0 and counts.get("aborted", 0) > 0, (kind, counts)
     assert report["greedy"]["checked"] == 10 and report["bad_requests"]["sent"] > 0
     assert report["rss_mb"]["growth"] is not None and report["server_log"] is not None
+    summary = {k: report[k] for k in ("checks", "failures", "server_errors_5xx", "greedy", "idle", "memory")}
+    assert report["passed"], summary
+
+
+@pytest.mark.timeout(300)
+async def test_short_soak_with_adapters_passes(tmp_path, tiny_model_dir):
+    """Requests spread over three LoRA adapters and the base model, at most two adapters per
+    forward (so the pool's slots are swapped all along); the greedy re-runs use the same adapter."""
+    names = ["s0", "s1", "s2"]
+    lora = ["--enable-lora", "--max-loras-per-batch", "2", "--lora-paths", *write_adapters(tiny_model_dir, names)]
+    srv = ServerProcess(tiny_model_dir, *TINY_ARGS, *lora, log_dir=tmp_path).start()
+    try:
+        cfg = SoakConfig(
+            url=srv.url,
+            num_requests=120,
+            concurrency=16,
+            seed=3,
+            greedy_sample=12,
+            server_pid=srv.proc.pid,
+            server_log=srv.log_path,
+            adapters=names,
+        )
+        report = await run_soak(cfg)
+        outputs = set()  # the adapters do change the tokens: a server ignoring them would not pass this
+        async with aiohttp.ClientSession() as s:
+            for name in [None, *names]:
+                body = {"text": "Document 1: the river", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+                async with s.post(srv.url + "/generate", json=body | {"lora_path": name}) as r:
+                    outputs.add(tuple((await r.json())["output_ids"]))
+    finally:
+        srv.stop()
+    assert len(outputs) == 4, outputs
+    assert "error" not in report, report["error"]
+    assert set(report["per_adapter"]) == {"(base model)", *names}
+    for name, counts in report["per_adapter"].items():
+        assert counts.get("ok", 0) > 0, (name, counts)
+    assert report["greedy"]["checked"] == 12 and report["http_statuses"].get("/generate 400", 0) > 0
     summary = {k: report[k] for k in ("checks", "failures", "server_errors_5xx", "greedy", "idle", "memory")}
     assert report["passed"], summary
