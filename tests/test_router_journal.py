@@ -6,6 +6,7 @@ restored after a kill is in tests/test_dp.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -65,17 +66,24 @@ class StandIn:
         self.down = False
         self.refuse: set[str] = set()
         self.updates = 0
+        self.delay = 0.0  # seconds each admin call takes
         self.app = web.Application()
         self.app.router.add_get("/health", self.health)
         for path in STATE_ROUTES:
             self.app.router.add_post(path, self.state_call)
+        self.app.router.add_post("/start_profile", self.profile)
         self.app.router.add_post("/v1/completions", lambda r: web.json_response({"ok": True}))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=503 if self.down else 200)
 
+    async def profile(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.delay)
+        return web.json_response({"success": True})
+
     async def state_call(self, request: web.Request) -> web.Response:
         body = await request.read()
+        await asyncio.sleep(self.delay)
         if request.path in self.refuse:
             return web.json_response({"error": {"message": "in use"}}, status=400)
         parsed = json.loads(body) if body.strip() else {}
@@ -145,3 +153,20 @@ async def test_a_worker_that_missed_or_refused_calls_is_held_out_until_they_are_
             async with s.post(url + "/pause_generation", json={}) as r:
                 assert r.status == 400
             assert router.journal.seq == 3 and await healthy(3)
+
+
+async def test_a_slow_weight_update_is_not_cut_short(monkeypatch):
+    """A weight update waits for the running requests, however long: the router waits for it (a
+    call cut short would leave its outcome unknown), while other admin calls keep their timeout."""
+    monkeypatch.setattr("server.router.app.ADMIN_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
+    worker = StandIn()
+    worker.delay = 0.6  # every call it takes lasts longer than the admin timeout
+    async with serving(worker.app) as u:
+        app = build_router_app(RouterConfig(worker_urls=[u], health_check_interval=0.05))
+        async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.post(url + "/update_weights_from_disk", json={"model_path": "/ckpt/2"}) as r:
+                assert r.status == 200 and (await r.json())["weight_version"] == "1"
+            async with s.post(url + "/start_profile") as r:
+                out = await r.json()
+            assert r.status == 502 and "TimeoutError" in out["workers"][0]["message"]
+            assert app[ROUTER].workers[0].healthy  # a failed profile call changes no state

@@ -21,7 +21,7 @@ from aiohttp import web
 from server.router.errors import no_healthy_worker
 from server.router.journal import STATE_ROUTES, parse_body
 from server.router.policy import Worker
-from server.router.state import ROUTER, Router
+from server.router.state import ROUTER, STATE_TIMEOUT, Router
 
 SKIPPED = "unhealthy: skipped"
 
@@ -38,7 +38,7 @@ def broadcaster(timeout: aiohttp.ClientTimeout):
         if request.path not in STATE_ROUTES:
             return answer(router, await send(router, request, body, timeout))
         async with router.journal.lock:
-            results = await send(router, request, body, timeout)
+            results = await send(router, request, body, STATE_TIMEOUT)
             record(router, request.path, body, results)
             return answer(router, results)
 

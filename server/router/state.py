@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
 FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
-ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=120.0)  # a weight update reads a checkpoint; a profile writes seconds
+ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=120.0)  # a profile or a flight-recorder dump writes for seconds
+# A state-changing call (journal.STATE_ROUTES) takes as long as it takes: a weight update waits for
+# the running requests to end and then reads a checkpoint. Cut short, its outcome would be unknown
+# (it may still land on the worker), so only a dead worker (no connection) ends it early.
+STATE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 
 
 @dataclass
@@ -184,7 +188,7 @@ class Router:
         path, body = call
         try:
             async with self.session.post(
-                worker.url + path, json=body, headers=self.auth_headers(), timeout=ADMIN_TIMEOUT
+                worker.url + path, json=body, headers=self.auth_headers(), timeout=STATE_TIMEOUT
             ) as r:
                 return "" if r.status == 200 else f"replaying {path} answered {r.status}: {(await r.text())[:300]}"
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -258,6 +262,7 @@ __all__ = [
     "INFO_TIMEOUT",
     "PROXY_TIMEOUT",
     "ROUTER",
+    "STATE_TIMEOUT",
     "ExtraInfo",
     "Router",
     "RouterConfig",
