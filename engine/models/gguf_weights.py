@@ -53,7 +53,12 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts layer's router (Qwen3-MoE)
 }
+# A MoE layer's experts, stacked `[experts, rows, cols]` in one GGUF tensor each: yielded as the
+# per-expert tensors a Hugging Face checkpoint has (`mlp.experts.<e>.<proj>.weight`).
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+EXPERTS = "*"  # the expert index in a stacked tensor's name (`gguf_to_hf_name`)
 # Tensors llama.cpp stores that are not model parameters (RoPE tables it can recompute).
 _NON_PARAMETERS = {"rope_freqs", "attn_rot_embd"}
 # GGUF architectures whose q/k projections llama.cpp's converter permuted (rotary-pair layout).
@@ -219,6 +224,7 @@ def _tensor_info(name: str, dims: list[int], raw_type: int, offset: int, file_si
 
 def gguf_to_hf_name(gguf_name: str) -> str | None:
     """Hugging Face parameter name for a GGUF tensor name; None for tensors that are not parameters.
+    A stacked experts tensor names them all with `EXPERTS` for the index (`mlp.experts.*.up_proj.weight`).
 
     Raises ValueError for a name we do not know, so a model we only half understand is never loaded.
     """
@@ -232,6 +238,8 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{int(parts[1])}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _EXPERT_STACKS and kind == "weight":
+        return f"model.layers.{int(parts[1])}.mlp.experts.{EXPERTS}.{_EXPERT_STACKS[parts[2]]}.weight"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -361,4 +369,8 @@ def iter_gguf_tensors(
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None
             except (ValueError, OSError) as e:
                 raise ModelLoadError(f"GGUF file {path}: {e}") from e
+            if f".experts.{EXPERTS}." in hf_name:  # experts run dense: no blocks
+                for e in range(tensor.shape[0]):
+                    yield hf_name.replace(f".{EXPERTS}.", f".{e}."), tensor[e], None
+                continue
             yield hf_name, tensor, q4

@@ -68,7 +68,7 @@ _MODEL_TYPE_TO_ARCH = {
 }
 # GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
 # and their layouts (engine/models/gguf_weights.py) are mapped for these only
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -243,6 +243,7 @@ def _resolve_gguf(path: Path) -> ModelSource:
     # transformers may reinterpret the file (a llama-architecture GGUF named "mistral" -> mistral).
     architecture = _architecture(None, hf_config.model_type, path)
     _apply_gguf_head_dim(hf_config, index)
+    _apply_gguf_experts(hf_config, index)
     return ModelSource(path, path, hf_config, architecture, (), index)
 
 
@@ -263,6 +264,20 @@ def _apply_gguf_head_dim(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
     has_head_dim = hasattr(hf_config, "head_dim")  # Llama/Qwen3 configs have one; Qwen2 derives it
     if has_head_dim and isinstance(key_length, int) and key_length > 0 and hf_config.head_dim != key_length:
         hf_config.head_dim = key_length
+
+
+def _apply_gguf_experts(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
+    """A Qwen3-MoE GGUF: each expert's width from `<arch>.expert_feed_forward_length` (transformers
+    does not map it, and its class default is another model's), and the top-k weights renormalised,
+    as llama.cpp's Qwen3-MoE graph always does (the file has no flag for it; every released
+    Qwen3-MoE sets `norm_topk_prob`)."""
+    if index.architecture != "qwen3moe":
+        return
+    width = index.metadata.get("qwen3moe.expert_feed_forward_length")
+    if not (isinstance(width, int) and width > 0):
+        raise ModelLoadError(f"GGUF file {index.path}: no qwen3moe.expert_feed_forward_length")
+    hf_config.moe_intermediate_size = width
+    hf_config.norm_topk_prob = True
 
 
 def _architecture(architectures: Any, model_type: Any, where: Path) -> str:

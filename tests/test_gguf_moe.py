@@ -1,0 +1,155 @@
+"""A Qwen3-MoE GGUF (issue 31): a tiny random Qwen3-MoE written as llama.cpp writes it (the
+router as `ffn_gate_inp`, each layer's experts stacked in `ffn_{gate,up,down}_exps`
+`[experts, rows, cols]`, the expert width in `qwen3moe.expert_feed_forward_length`), then:
+
+- transformers' own GGUF reader gives back the original weights (the file is what llama.cpp
+  writes, as far as transformers knows it), and our reader yields the per-expert tensors of the
+  original checkpoint;
+- served from the GGUF in fp32, greedy tokens and prompt log-probs equal transformers' on the
+  original model (test_model_families.py's scheduler run);
+- experts stored Q8_0 load dequantized exactly as transformers dequantizes them.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from engine.model_executor.model_runner import ModelRunner
+from engine.models.loader import resolve_model
+from tests.test_model_families import COMMON, assert_scheduler_matches_transformers, family_args
+
+CONFIG = dict(COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.k_proj.weight": "attn_k",
+    "self_attn.v_proj.weight": "attn_v",
+    "self_attn.o_proj.weight": "attn_output",
+    "self_attn.q_norm.weight": "attn_q_norm",
+    "self_attn.k_norm.weight": "attn_k_norm",
+    "mlp.gate.weight": "ffn_gate_inp",
+}
+
+
+def tiny_qwen3moe(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(**CONFIG, norm_topk_prob=True, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def write_qwen3moe_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    for hf, name in GLOBAL.items():
+        w.add_tensor(name, sd[hf])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    inter = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, name in LAYER.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", sd[p + hf])
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]: gate rows, then up rows
+        stacks = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": sd[p + "mlp.experts.down_proj"]}
+        for proj, data in stacks.items():
+            data = np.ascontiguousarray(data)
+            if expert_type == GGMLQuantizationType.F32:
+                w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", data)
+            else:
+                w.add_tensor(
+                    f"blk.{i}.ffn_{proj}_exps.weight", gguf.quants.quantize(data, expert_type), raw_dtype=expert_type
+                )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def per_expert(model) -> dict[str, torch.Tensor]:
+    """The original model's weights as a checkpoint names them (one tensor per expert projection)."""
+    out = {}
+    inter = model.config.moe_intermediate_size
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    model = tiny_qwen3moe()
+    path = tmp_path_factory.mktemp("qwen3moe-gguf") / "tiny-qwen3moe.gguf"
+    write_qwen3moe_gguf(path, model)
+    return path, model
+
+
+def test_the_gguf_reads_back_as_the_original_checkpoint(moe_gguf):
+    path, model = moe_gguf
+    src = resolve_model(str(path))
+    assert src.architecture == "Qwen3MoeForCausalLM" and src.gguf_file == path
+    cfg = src.hf_config
+    assert (cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (32, 8, 2)
+    assert cfg.norm_topk_prob and cfg.head_dim == 16
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=cfg, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():  # the writer's layout is the one transformers reads
+        assert torch.equal(ref.state_dict()[name], tensor), name
+    got, want = dict(src.iter_weights()), per_expert(model)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_greedy_tokens_from_the_gguf_equal_transformers(moe_gguf):
+    path, model = moe_gguf
+    runner = ModelRunner(family_args(str(path)))
+    assert_scheduler_matches_transformers(runner, model, "qwen3moe-gguf")
+
+
+def test_q8_experts_dequantize_as_transformers_does(tmp_path):
+    model = tiny_qwen3moe(seed=1)
+    path = tmp_path / "q8.gguf"
+    write_qwen3moe_gguf(path, model, GGMLQuantizationType.Q8_0)
+    src = resolve_model(str(path))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, config=src.hf_config, dtype=torch.float32
+    )
+    got = dict(src.iter_weights())
+    for name, want in per_expert(ref).items():
+        assert torch.equal(got[name], want), name
+    quantized = got["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert not torch.equal(quantized, per_expert(model)["model.layers.0.mlp.experts.3.up_proj.weight"])
