@@ -281,34 +281,27 @@ async def test_a_restarted_replica_gets_the_weights_adapters_and_pause_its_sibli
     it the last weight update (with the version its sibling reported), the adapters loaded since
     and a pause still in force; a call replayed there is not sent twice to the survivor."""
     replicas = [FakeReplica(0), FakeReplica(1)]
-    supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
-    await supervisor.start_all()
-    app = build_frontend(ServerConfig(load_balance_method="round_robin"), supervisor, "local")
-    try:
-        async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
-            supervisor.watch()
-            calls = [
-                ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a"}),
-                ("/update_weights_from_disk", {"model_path": "/ckpt/7"}),
-                ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
-                ("/unload_lora_adapter", {"lora_name": "a"}),
-                ("/pause_generation", {"mode": "retract"}),
-            ]
-            for path, body in calls:
-                async with s.post(url + path, json=body) as r:
-                    assert r.status == 200 and (await r.json())["success"], await r.text()
-            assert replicas[0].state_calls == replicas[1].state_calls == calls
-            await replicas[1].crash()
-            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["restarts"] == 1 and e["healthy"]))
-            assert entry["behind"] is False and "sync_error" not in entry
-            assert replicas[1].state_calls == [
-                ("/update_weights_from_disk", {"model_path": "/ckpt/7", "weight_version": "r0-2"}),  # replica 0's
-                ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
-                ("/pause_generation", {"mode": "retract"}),
-            ]
-            assert replicas[0].state_calls == calls
-    finally:
-        await supervisor.stop_all()
+    async with watched_front_end(replicas) as (url, s):
+        calls = [
+            ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a"}),
+            ("/update_weights_from_disk", {"model_path": "/ckpt/7"}),
+            ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
+            ("/unload_lora_adapter", {"lora_name": "a"}),
+            ("/pause_generation", {"mode": "retract"}),
+        ]
+        for path, body in calls:
+            async with s.post(url + path, json=body) as r:
+                assert r.status == 200 and (await r.json())["success"], await r.text()
+        assert replicas[0].state_calls == replicas[1].state_calls == calls
+        await replicas[1].crash()
+        entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["restarts"] == 1 and e["healthy"]))
+        assert entry["behind"] is False and "sync_error" not in entry
+        assert replicas[1].state_calls == [
+            ("/update_weights_from_disk", {"model_path": "/ckpt/7", "weight_version": "r0-2"}),  # replica 0's
+            ("/load_lora_adapter", {"lora_name": "b", "lora_path": "/adapters/b"}),
+            ("/pause_generation", {"mode": "retract"}),
+        ]
+        assert replicas[0].state_calls == calls
 
 
 async def test_a_restarted_replica_without_the_trainers_broadcast_weights_is_held_out_until_it_gets_them():
@@ -316,24 +309,31 @@ async def test_a_restarted_replica_without_the_trainers_broadcast_weights_is_hel
     not in the front end's journal: a restarted replica serving another weight_version than its
     sibling stays out of routing, saying why, until the trainer sends them to it too."""
     replicas = [FakeReplica(0), FakeReplica(1)]
+    async with watched_front_end(replicas) as (url, s):
+        for replica in replicas:
+            replica.weight_version = "step-3"  # the trainer's broadcast, to each replica
+        await replicas[1].crash()
+        entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: "sync_error" in e))
+        assert entry["restarts"] == 1 and not entry["healthy"] and entry["behind"]
+        assert "serves weight_version 'default'" in entry["sync_error"] and "'step-3'" in entry["sync_error"]
+        for _ in range(3):
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert (await r.json()) == {"replica": 0}
+        replicas[1].weight_version = "step-3"  # the trainer sent them to the restarted one
+        entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["healthy"]))
+        assert entry["behind"] is False and "sync_error" not in entry
+
+
+@contextlib.asynccontextmanager
+async def watched_front_end(replicas: list[FakeReplica]):
+    """The front end over `replicas` (started and supervised), round robin; (url, client session)."""
     supervisor = Supervisor(replicas, start_timeout=5, stop_timeout=5)
     await supervisor.start_all()
     app = build_frontend(ServerConfig(load_balance_method="round_robin"), supervisor, "local")
     try:
         async with serving(app) as url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
             supervisor.watch()
-            for replica in replicas:
-                replica.weight_version = "step-3"  # the trainer's broadcast, to each replica
-            await replicas[1].crash()
-            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: "sync_error" in e))
-            assert entry["restarts"] == 1 and not entry["healthy"] and entry["behind"]
-            assert "serves weight_version 'default'" in entry["sync_error"] and "'step-3'" in entry["sync_error"]
-            for _ in range(3):
-                async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
-                    assert (await r.json()) == {"replica": 0}
-            replicas[1].weight_version = "step-3"  # the trainer sent them to the restarted one
-            entry = await poll(lambda: _entry_when(dp_info(s, url), 1, lambda e: e["healthy"]))
-            assert entry["behind"] is False and "sync_error" not in entry
+            yield url, s
     finally:
         await supervisor.stop_all()
 
