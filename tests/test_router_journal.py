@@ -55,6 +55,9 @@ def test_the_net_effect_restores_weights_adapters_memory_and_pause_in_order():
     j.record("/continue_generation", {}, {})
     paths = [path for path, _ in j.restore()]  # back to weights and adapters only
     assert paths == ["/update_weights_from_disk", "/unload_lora_adapter", "/load_lora_adapter", "/load_lora_adapter"]
+    j.record("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}, {})
+    j.record("/update_weights_from_disk", {"model_path": "/w3"}, {"weight_version": "4"})  # loads them again
+    assert j.restore()[-1] == ("/release_memory_occupation", {"tags": ["kv_cache"]})
 
 
 class StandIn:

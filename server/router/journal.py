@@ -83,6 +83,7 @@ class AdminJournal:
         if path == "/update_weights_from_disk":
             body = {**body, "weight_version": answer.get("weight_version", body.get("weight_version"))}
             self._weights = body
+            self._released.discard("weights")  # a checkpoint loaded is weights resumed (the engine's rule)
         elif path == "/load_lora_adapter":
             name = str(body.get("lora_name"))
             self._adapters.setdefault(name, _Adapter(unloaded_first=False)).load = body
