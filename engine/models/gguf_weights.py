@@ -59,8 +59,13 @@ _BLOCK_NAMES = {
 # per-expert tensors a Hugging Face checkpoint has (`mlp.experts.<e>.<proj>.weight`).
 _EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 EXPERTS = "*"  # the expert index in a stacked tensor's name (`gguf_to_hf_name`)
-# Tensors llama.cpp stores that are not model parameters (RoPE tables it can recompute).
-_NON_PARAMETERS = {"rope_freqs", "attn_rot_embd"}
+# Phi-3's fused projections, as llama.cpp names them (its `ffn_up` is the gate|up pair).
+_PHI3_NAMES = _BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors llama.cpp stores that are not model parameters (RoPE tables it can recompute; Phi-3's
+# longrope factors, which go into the config: loader._apply_gguf_phi3).
+_NON_PARAMETERS = {"rope_freqs", "attn_rot_embd", "rope_factors_long", "rope_factors_short"}
+# Architectures whose 4-bit layer blocks the quantized kernels take (no fused checkpoint tensors).
+_Q4_ARCHS = {"llama", "qwen2", "qwen3", "qwen3moe"}
 # GGUF architectures whose q/k projections llama.cpp's converter permuted (rotary-pair layout).
 _PERMUTED_ARCHS = {"llama"}
 
@@ -222,7 +227,7 @@ def _tensor_info(name: str, dims: list[int], raw_type: int, offset: int, file_si
     return GGUFTensorInfo(name=name, qtype=qtype, shape=shape, offset=offset, n_bytes=n_bytes)
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
+def gguf_to_hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """Hugging Face parameter name for a GGUF tensor name; None for tensors that are not parameters.
     A stacked experts tensor names them all with `EXPERTS` for the index (`mlp.experts.*.up_proj.weight`).
 
@@ -236,8 +241,9 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
         return None
     if len(parts) == 1 and base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{int(parts[1])}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    names = _PHI3_NAMES if architecture == "phi3" else _BLOCK_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _EXPERT_STACKS and kind == "weight":
         return f"model.layers.{int(parts[1])}.mlp.experts.{EXPERTS}.{_EXPERT_STACKS[parts[2]]}.weight"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -323,6 +329,20 @@ def _blocks_of(blocks: np.ndarray, info: GGUFTensorInfo, hf_name: str) -> Q4Bloc
     return None
 
 
+def read_gguf_tensor(index: GGUFIndex, name: str) -> torch.Tensor | None:
+    """One tensor by its GGUF name, dequantized to float32 (None when the file has none)."""
+    info = next((t for t in index.tensors if t.name == name), None)
+    if info is None:
+        return None
+    try:
+        with index.path.open("rb") as f:
+            return _dequantize(_read_bytes(f, info), info)
+    except _Truncated as e:
+        raise ModelLoadError(f"GGUF file {index.path} is truncated ({e})") from None
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"GGUF file {index.path}: {e}") from e
+
+
 def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) one at a time, in file order.
 
@@ -350,12 +370,12 @@ def iter_gguf_tensors(
     with f:
         for info in index.tensors:
             try:
-                hf_name = gguf_to_hf_name(info.name)
+                hf_name = gguf_to_hf_name(info.name, index.architecture)
                 if hf_name is None:
                     continue
                 blocks = _read_bytes(f, info)
                 tensor = _dequantize(blocks, info)
-                q4 = _blocks_of(blocks, info, hf_name) if with_q4 else None
+                q4 = _blocks_of(blocks, info, hf_name) if with_q4 and index.architecture in _Q4_ARCHS else None
                 heads = None
                 if unpermute and ".self_attn.q_proj." in hf_name:
                     heads = num_heads

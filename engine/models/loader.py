@@ -32,6 +32,7 @@ from engine.models.gguf_weights import (
     iter_gguf_tensors,
     iter_gguf_weights,
     read_gguf_index,
+    read_gguf_tensor,
 )
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -68,7 +69,7 @@ _MODEL_TYPE_TO_ARCH = {
 }
 # GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
 # and their layouts (engine/models/gguf_weights.py) are mapped for these only
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -233,7 +234,7 @@ def _resolve_gguf(path: Path) -> ModelSource:
         raise _unsupported(index.architecture or "<none>", path, gguf=True)
     try:  # an unknown tensor means a model we only half understand: refuse it now, not mid-load
         for info in index.tensors:
-            gguf_to_hf_name(info.name)
+            gguf_to_hf_name(info.name, index.architecture)
     except ValueError as e:
         raise ModelLoadError(f"GGUF file {path}: {e}") from None
     try:  # a copy of the cached config per call: _apply_gguf_head_dim (and callers) may change it
@@ -244,6 +245,7 @@ def _resolve_gguf(path: Path) -> ModelSource:
     architecture = _architecture(None, hf_config.model_type, path)
     _apply_gguf_head_dim(hf_config, index)
     _apply_gguf_experts(hf_config, index)
+    _apply_gguf_phi3(hf_config, index)
     return ModelSource(path, path, hf_config, architecture, (), index)
 
 
@@ -278,6 +280,39 @@ def _apply_gguf_experts(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
         raise ModelLoadError(f"GGUF file {index.path}: no qwen3moe.expert_feed_forward_length")
     hf_config.moe_intermediate_size = width
     hf_config.norm_topk_prob = True
+
+
+def _apply_gguf_phi3(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
+    """A Phi-3 GGUF: what llama.cpp stores and transformers' GGUF config leaves out: a partial
+    rotary (`phi3.rope.dimension_count` below the head size: Phi-4-mini), a sliding window, and
+    longrope (Phi-3-128k, Phi-3.5, Phi-4-mini), whose factors llama.cpp keeps as the tensors
+    `rope_factors_long` / `rope_factors_short` and whose trained context as
+    `phi3.rope.scaling.original_context_length`."""
+    if index.architecture != "phi3":
+        return
+    meta = index.metadata
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    rope_dim = meta.get("phi3.rope.dimension_count")
+    if isinstance(rope_dim, int) and 0 < rope_dim < head_dim:
+        params["partial_rotary_factor"] = hf_config.partial_rotary_factor = rope_dim / head_dim
+    window = meta.get("phi3.attention.sliding_window")
+    if isinstance(window, int) and window > 0:
+        hf_config.sliding_window = window
+    long, short = (
+        read_gguf_tensor(index, "rope_factors_long.weight"),
+        read_gguf_tensor(index, "rope_factors_short.weight"),
+    )
+    if long is not None and short is not None:
+        original = meta.get("phi3.rope.scaling.original_context_length")
+        if not (isinstance(original, int) and original > 0):
+            raise ModelLoadError(
+                f"GGUF file {index.path}: longrope factors without phi3.rope.scaling.original_context_length"
+            )
+        params.update(rope_type="longrope", long_factor=long.tolist(), short_factor=short.tolist())
+        params["original_max_position_embeddings"] = hf_config.original_max_position_embeddings = original
+    if params:
+        hf_config.rope_parameters = params
 
 
 def _architecture(architectures: Any, model_type: Any, where: Path) -> str:

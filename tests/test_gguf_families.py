@@ -1,4 +1,7 @@
-"""A Qwen3-MoE GGUF (issue 31): a tiny random Qwen3-MoE written as llama.cpp writes it (the
+"""GGUF files of the families llama.cpp writes beyond Llama/Qwen (issue 31), each a tiny random
+model written as llama.cpp's converter writes it, against transformers on the same weights.
+
+A Qwen3-MoE GGUF: (the
 router as `ffn_gate_inp`, each layer's experts stacked in `ffn_{gate,up,down}_exps`
 `[experts, rows, cols]`, the expert width in `qwen3moe.expert_feed_forward_length`), then:
 
@@ -8,21 +11,35 @@ router as `ffn_gate_inp`, each layer's experts stacked in `ffn_{gate,up,down}_ex
 - served from the GGUF in fp32, greedy tokens and prompt log-probs equal transformers' on the
   original model (test_model_families.py's scheduler run);
 - experts stored Q8_0 load dequantized exactly as transformers dequantizes them.
+
+A Phi-3 GGUF (fused `attn_qkv` stored Q8_0 and `ffn_up` = gate|up; partial rotary from
+`rope.dimension_count`; a sliding window; longrope factors from `rope_factors_long/short`):
+its config is the checkpoint's, and fp32 greedy tokens equal transformers' on the GGUF's values.
 """
 
 from __future__ import annotations
+
+import copy
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Phi3Config, Qwen3MoeConfig
 
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
-from tests.test_model_families import COMMON, assert_scheduler_matches_transformers, family_args
+from tests.test_model_families import (
+    COMMON,
+    FAMILIES,
+    NO_SPECIAL,
+    assert_scheduler_matches_transformers,
+    family_args,
+    save_random_model,
+)
 
+Q8 = GGMLQuantizationType.Q8_0
 CONFIG = dict(COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 LAYER = {
@@ -153,3 +170,94 @@ def test_q8_experts_dequantize_as_transformers_does(tmp_path):
         assert torch.equal(got[name], want), name
     quantized = got["model.layers.0.mlp.experts.3.up_proj.weight"]
     assert not torch.equal(quantized, per_expert(model)["model.layers.0.mlp.experts.3.up_proj.weight"])
+
+
+# --- Phi-3 -----------------------------------------------------------------------------------
+
+PHI3_LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.qkv_proj.weight": "attn_qkv",  # fused q|k|v, as llama.cpp keeps it
+    "self_attn.o_proj.weight": "attn_output",
+    "mlp.gate_up_proj.weight": "ffn_up",  # fused gate|up
+    "mlp.down_proj.weight": "ffn_down",
+}
+PHI3 = {  # variant -> (config, weight init), Phi-3 shapes from test_model_families.py
+    "phi3-partial-rotary-window": (
+        lambda: Phi3Config(**COMMON, partial_rotary_factor=0.5, sliding_window=12),
+        FAMILIES["phi3-partial-rotary"][1],
+    ),
+    "phi3-longrope-tied": FAMILIES["phi3-longrope-tied"],
+}
+
+
+def write_phi3_gguf(path, model) -> None:
+    """`model` as llama.cpp's converter writes a Phi-3: the rotary's width as
+    `rope.dimension_count`, longrope's factors as the tensors `rope_factors_long/short`."""
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    if rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, name in PHI3_LAYER.items():
+            data = sd[f"model.layers.{i}.{hf}"]
+            if data.ndim == 2 and name == "attn_qkv":  # a quantized fused tensor, read dequantized
+                w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(data, Q8), raw_dtype=Q8)
+            else:
+                w.add_tensor(f"blk.{i}.{name}.weight", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", list(PHI3))
+def test_phi3_gguf_serves_as_its_checkpoint(name, tmp_path):
+    """A Phi-3 GGUF's config is the checkpoint's (partial rotary, window, longrope from what
+    llama.cpp stores); fp32 greedy tokens equal transformers' on the same (dequantized) weights."""
+    cfg, init = PHI3[name]
+    model = save_random_model(cfg(), init, tmp_path / "hf")
+    path = tmp_path / "tiny-phi3.gguf"
+    write_phi3_gguf(path, model)
+    src = resolve_model(str(path))
+    assert src.architecture == "Phi3ForCausalLM"
+    want, got = model.config, src.hf_config
+    assert got.rope_parameters.get("partial_rotary_factor", 1.0) == want.rope_parameters.get(
+        "partial_rotary_factor", 1.0
+    )
+    assert got.sliding_window == want.sliding_window
+    for key in ("rope_type", "long_factor", "short_factor"):
+        assert got.rope_parameters.get(key) == pytest.approx(want.rope_parameters.get(key)), key
+    assert getattr(got, "original_max_position_embeddings", None) == want.original_max_position_embeddings
+    # the reference: transformers on the GGUF's own (dequantized) values, with the checkpoint's config
+    ref_cfg = copy.deepcopy(got)  # Phi3Config's special ids (32000) are past the tiny vocabulary
+    ref_cfg.update(NO_SPECIAL)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=ref_cfg, dtype=torch.float32)
+    got_weights = dict(src.iter_weights())
+    for hf_name, tensor in ref.state_dict().items():
+        if hf_name in got_weights:
+            assert torch.equal(got_weights[hf_name], tensor), hf_name
+    runner = ModelRunner(family_args(str(path)))
+    assert_scheduler_matches_transformers(runner, ref, name)
