@@ -5,47 +5,29 @@ be set before triton is imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_checks import ROOT, assert_all_ok, run_checks
+
 CHECKS = ROOT / "tests" / "lora_triton_checks.py"
-TIMEOUT_S = 240
-
-
-def _run(args: list[str], interpret: bool) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def _assert_ok(rc: int, out: str) -> None:
-    assert rc == 0 and out.rstrip().endswith("ALL OK"), f"exit code {rc}; output:\n{out}"
 
 
 def test_kernels_match_torch_path_interpreter():
     """Gathered and ungathered rows, a 17-row segment (two row blocks), padded ranks, q|k|v parts
     of different sizes, adapters that skip projections; fp32, fp16, bf16; base rows untouched."""
-    rc, out = _run([str(CHECKS)], interpret=True)
-    _assert_ok(rc, out)
+    rc, out = run_checks([str(CHECKS)], interpret=True)
+    assert_all_ok(rc, out)
     assert sum(line.startswith("ok   kernels") for line in out.splitlines()) == 24, out
 
 
 def test_kernels_compile_for_sm90_without_gpu():
-    rc, out = _run([str(CHECKS), "--group", "compile"], interpret=False)
+    rc, out = run_checks([str(CHECKS), "--group", "compile"], interpret=False)
     if rc != 0 and "No module named 'triton.backends.nvidia'" in out:
         pytest.skip("this triton build has no NVIDIA backend")
-    _assert_ok(rc, out)
+    assert_all_ok(rc, out)
     assert out.count("ok   compile") == 4, out
 
 
@@ -64,7 +46,7 @@ def test_cpu_path_never_imports_triton():
         print("OK")
         """
     )
-    rc, out = _run(["-c", code], interpret=False)
+    rc, out = run_checks(["-c", code], interpret=False)
     assert rc == 0 and "OK" in out, out
 
 
@@ -72,4 +54,4 @@ def test_cpu_path_never_imports_triton():
 def test_kernels_on_gpu():
     """The same checks compiled for a real GPU (skipped without CUDA)."""
     assert torch.cuda.is_available()
-    _assert_ok(*_run([str(CHECKS), "--device", "cuda"], interpret=False))
+    assert_all_ok(*run_checks([str(CHECKS), "--device", "cuda"], interpret=False))

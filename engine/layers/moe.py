@@ -22,7 +22,8 @@ rows of gate and of up, its columns of down): its output is a partial sum, all-r
 (`expert_start`, `num_local_experts`; engine/distributed/sharding.py), sliced over the set, and
 runs only the (token, choice) pairs routed to them: the all-reduce sums the sets' outputs. The
 router is replicated, so every rank routes every token alike. The per-expert loop reads the
-group sizes on the host: no CUDA graph can capture it.
+group sizes on the host: no CUDA graph can capture it. On CUDA the experts run as two grouped
+Triton GEMMs instead (triton_moe.py: no host read; pairs summed per token in a fixed order).
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: object = None) -> torch.Tensor:
         """`fb` is the ForwardBatch `LlamaMLP` takes; unused (LoRA on MoE models is refused)."""
         weights, ids = self.route(x)
+        if x.is_cuda:
+            from engine.layers.triton_moe import fused_experts  # a CPU model never imports triton
+
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn, self.expert_start))
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
