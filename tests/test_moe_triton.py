@@ -53,3 +53,17 @@ def test_fused_experts_on_gpu():
     """The same checks compiled for a real GPU (skipped without CUDA)."""
     assert torch.cuda.is_available()
     assert_all_ok(*run_checks([str(CHECKS), "--device", "cuda"], interpret=False))
+
+
+@pytest.mark.gpu
+def test_a_moe_model_on_cuda_equals_transformers(tmp_path):
+    """End to end on a GPU: a tiny Qwen3-MoE served with its experts in the Triton kernel, fp32
+    (exact products: `ieee`), greedy tokens and prompt log-probs equal transformers' on the CPU."""
+    from engine.model_executor.model_runner import ModelRunner
+    from tests.test_model_families import assert_scheduler_matches_transformers, family_args, save_random_model
+    from tests.test_model_moe import FAMILIES, INIT
+
+    assert torch.cuda.is_available()
+    hf = save_random_model(FAMILIES["qwen3moe-norm"](), INIT, tmp_path)
+    runner = ModelRunner(family_args(str(tmp_path), device="cuda", disable_cuda_graph=True))
+    assert_scheduler_matches_transformers(runner, hf, "qwen3moe-cuda")
