@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.triton_checks import ROOT, assert_all_ok, run_checks
+from tests.triton_subprocess import ROOT, assert_all_ok, run_checks
 
 CHECKS = ROOT / "tests" / "moe_triton_checks.py"
 
