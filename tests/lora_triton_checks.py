@@ -25,6 +25,7 @@ import torch
 from engine.lora import BASE_SLOT, LoRABatchInfo, LoRAPool, apply_lora
 from engine.lora.projections import PROJECTIONS
 from tests.lora_random import random_adapter, tiny_config
+from tests.triton_subprocess import compile_for_gpu
 
 FAILURES: list[str] = []
 # max |out - ref| / max |ref|: the torch path rounds the delta to the dtype before adding it, the
@@ -72,10 +73,6 @@ def check_kernels(device: torch.device, dtype: torch.dtype) -> None:
 def check_compile(arch: int = 90) -> None:
     """The interpreter never compiles: build both kernels for an H100 with Triton's own compiler
     and bundled ptxas (no GPU needed), so what only the compiler rejects shows up here."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from engine.lora import triton_ops as K
 
     ptr = {"RowIndex": "i64", "SegTable": "i32", "Scaling": "fp32", "H": "fp32", "PartTable": "i32"}
@@ -91,15 +88,8 @@ def check_compile(arch: int = 90) -> None:
                 for a in fn.arg_names
             }
             label = f"compile {name} {dt} sm_{arch}"
-            try:
-                compiled = triton.compile(
-                    ASTSource(fn=fn, signature=sig, constexprs=consts),
-                    target=GPUTarget("cuda", arch, 32),
-                    options={"num_warps": 4, "num_stages": 2},
-                )
-                ok = bool(compiled.asm.get("cubin"))
-            except Exception as e:
-                ok, label = False, f"{label}: {type(e).__name__}: {str(e)[:2000]}"
+            error = compile_for_gpu(fn, sig, consts, arch)
+            ok, label = not error, f"{label}: {error}" if error else label
             print(f"{'ok  ' if ok else 'FAIL'} {label}", flush=True)
             if not ok:
                 FAILURES.append(label)

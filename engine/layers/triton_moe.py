@@ -18,14 +18,12 @@ before this module is first imported (tests/moe_triton_checks.py runs it on CPU 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# triton.jit reads TRITON_INTERPRET when it decorates a kernel: later changes do nothing
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from engine.kernels.triton_attention.common import block_size, check_launchable, upcast_dot
+
 BLOCK_M = 16  # pairs per block: decode batches route few tokens to each expert; tl.dot needs >= 16
 
 
@@ -117,21 +115,6 @@ def align_pairs(
     return sorted_pairs, block_expert.to(torch.int32)
 
 
-def _pow2(n: int, cap: int) -> int:
-    return min(cap, max(16, triton.next_power_of_2(n)))
-
-
-def _check_launchable(*tensors: torch.Tensor) -> None:
-    if INTERPRET:
-        return
-    for t in tensors:
-        if not t.is_cuda:
-            raise RuntimeError(
-                f"the Triton MoE kernel needs CUDA tensors (got one on {t.device}); set TRITON_INTERPRET=1 "
-                "before importing engine.layers.triton_moe to run it on CPU, or use the torch path"
-            )
-
-
 def _gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -143,9 +126,9 @@ def _gemm(
     by_token: bool,
 ) -> None:
     n, k = w.shape[1], w.shape[2]
-    upcast = INTERPRET and a.dtype == torch.bfloat16  # the interpreter's tl.dot misreads bf16
+    upcast = upcast_dot(a.dtype)
     precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
-    block_n = _pow2(n, 64)
+    block_n = block_size(n, 64)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     moe_gemm_kernel[grid](
         a,
@@ -168,7 +151,7 @@ def _gemm(
         DOT_PRECISION=precision,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
-        BLOCK_K=_pow2(k, 64),
+        BLOCK_K=block_size(k, 64),
     )
 
 
@@ -183,7 +166,9 @@ def fused_experts(
 ) -> torch.Tensor:
     """Sum over each token's chosen experts held here of `weight * expert(x)`, `[T, H]` in x's dtype."""
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    _check_launchable(x, w13, w2)
+    check_launchable(
+        x, w13, w2, kernels="The Triton MoE kernels", module="engine.layers.triton_moe", instead="the torch experts"
+    )
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
     sorted_pairs, block_expert = align_pairs(ids, expert_start, w13.shape[0])

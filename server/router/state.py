@@ -153,34 +153,40 @@ class Router:
 
     async def catch_up(self, worker: Worker) -> None:
         """Replay on `worker` the admin calls it missed (a fresh one: the journal's net state),
-        then route to it again; on a failure it stays out, and the next health round retries."""
+        check it serves its siblings' weights, then route to it again; on a failure it stays out,
+        and the next health round retries from where it stopped."""
         async with self.journal.lock:
             if worker not in self.workers or not self.behind(worker):
                 return
-            if worker.synced is None:
-                calls = self.journal.restore()
-                seq, done = self._restoring.pop(worker, (self.journal.seq, 0))
-                done = done if seq == self.journal.seq else 0  # calls came in since: restore anew
-                for k in range(done, len(calls)):
-                    if error := await self._replay(worker, calls[k]):
-                        self._restoring[worker] = (self.journal.seq, k)
-                        return self._hold(worker, error)
-                replayed = len(calls) - done
-                if error := await self._version_error(worker):
-                    self._restoring[worker] = (self.journal.seq, len(calls))
-                    return self._hold(worker, error)
-            else:
-                missed = self.journal.missed(worker.synced)
-                for seq, call in missed:
-                    if error := await self._replay(worker, call):
-                        return self._hold(worker, error)
-                    worker.synced = seq
-                replayed = len(missed)
-                if error := await self._version_error(worker):
-                    return self._hold(worker, error)
-            worker.synced, worker.sync_error = self.journal.seq, ""
+            replay = self._restore if worker.synced is None else self._replay_missed
+            error, replayed = await replay(worker)
+            if error or (error := await self._version_error(worker)):
+                return self._hold(worker, error)
+            worker.sync_error = ""
             self.journal.trim([w.synced for w in self.workers])
         self.set_health(worker, True, f" ({replayed} admin call(s) replayed on it)" if replayed else "")
+
+    async def _restore(self, worker: Worker) -> tuple[str, int]:
+        """A fresh worker: the journal's net state, resumed where a failed attempt stopped unless
+        calls came in since; then it is synced. -> (why it failed or '', calls replayed)."""
+        calls = self.journal.restore()
+        seq, done = self._restoring.pop(worker, (self.journal.seq, 0))
+        done = done if seq == self.journal.seq else 0  # calls came in since: restore anew
+        for k in range(done, len(calls)):
+            if error := await self._replay(worker, calls[k]):
+                self._restoring[worker] = (self.journal.seq, k)
+                return error, k - done
+        worker.synced = self.journal.seq
+        return "", len(calls) - done
+
+    async def _replay_missed(self, worker: Worker) -> tuple[str, int]:
+        """The calls after `worker.synced`, in order, its position moving with each."""
+        missed = self.journal.missed(worker.synced or 0)
+        for n, (seq, call) in enumerate(missed):
+            if error := await self._replay(worker, call):
+                return error, n
+            worker.synced = seq
+        return "", len(missed)
 
     async def _replay(self, worker: Worker, call: Call) -> str:
         """'' when the worker took the call, else why not."""

@@ -19,17 +19,26 @@ LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_launchable(*tensors: torch.Tensor) -> None:
+def check_launchable(
+    *tensors: torch.Tensor,
+    kernels: str = "Triton attention kernels",
+    module: str = "engine.kernels.triton_attention",
+    instead: str = "the torch or cpu attention backend",
+) -> None:
     """Raise a RuntimeError that says what to do when a kernel would launch on CPU tensors."""
     if INTERPRET:
         return
     for t in tensors:
         if not t.is_cuda:
             raise RuntimeError(
-                "Triton attention kernels need CUDA tensors (got a tensor on "
-                f"{t.device}); to run them on CPU set TRITON_INTERPRET=1 before importing "
-                "engine.kernels.triton_attention, or use the torch or cpu attention backend"
+                f"{kernels} need CUDA tensors (got a tensor on {t.device}); to run them on CPU set "
+                f"TRITON_INTERPRET=1 before importing {module}, or use {instead}"
             )
+
+
+def block_size(n: int, cap: int) -> int:
+    """A power-of-two block covering `n` (at least 16, what tl.dot takes; at most `cap`)."""
+    return min(cap, max(16, triton.next_power_of_2(n)))
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
