@@ -65,6 +65,11 @@ class ServerArgs:
     page_size: int = 1
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    # Sliding-window models (Mistral, Gemma 2/3, Phi-3...), one rank: the local layers' KV lives in
+    # a SWA pool of its own, `swa_full_tokens_ratio` the size of the full one, and a request gives
+    # back the slots its window has left (engine/cache/swa_pool.py). SGLang's flags.
+    disable_hybrid_swa_memory: bool = False
+    swa_full_tokens_ratio: float = 0.8
     # None (auto): on for CUDA, off for CPU. On a CPU the "device" is the same cores: planning the
     # next step beside the running forward steals them (bench.overlap: 3x slower steps when the
     # machine is busy, ~20% when quiet), so there is nothing to hide the host work behind.
@@ -240,6 +245,9 @@ class ServerArgs:
         chunk = self.chunked_prefill_size
         if chunk is not None and not (is_int(chunk) and (chunk == -1 or chunk >= 1)):
             fail("chunked_prefill_size", "-1 (no chunking) or an integer >= 1")
+        ratio = self.swa_full_tokens_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            fail("swa_full_tokens_ratio", "a fraction in (0, 1]")
         frac = self.mem_fraction_static
         if frac is not None and not (isinstance(frac, (int, float)) and 0.0 < frac <= 1.0):
             fail("mem_fraction_static", "a fraction in (0, 1]")

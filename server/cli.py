@@ -24,6 +24,7 @@ from server.arg_types import (
 )
 from server.config import ServerConfig
 from server.kernel_args import add_kernel_args, kernel_engine_options
+from server.kv_args import add_kv_args, kv_engine_options
 from server.lora_args import add_lora_args, lora_engine_options
 from server.reasoning import REASONING_PARSERS
 
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_lora_args(p)
     add_kernel_args(p)
+    add_kv_args(p)
     g = p.add_argument_group("scale-out")
     g.add_argument(
         "--tp-size",
@@ -395,6 +397,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], ServerCon
     engine: dict[str, Any] = {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}
     engine.update(lora_engine_options(ns))
     engine.update(kernel_engine_options(ns))
+    engine.update(kv_engine_options(ns))
     if ns.dtype is not None:
         engine["dtype"] = DTYPES[ns.dtype]
     for flag in (

@@ -83,6 +83,14 @@ class BasePrefixCache(ABC):
     def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Make a running request's committed KV its prefix for the next round; it keeps its row."""
 
+    def exclusive_start(self, req: CacheableReq) -> int:
+        """The first position of `req`'s row that no other request reads (no tree: all its own)."""
+        return 0
+
+    def idle_error(self) -> str | None:
+        """A broken invariant of this cache's memory when no request holds any (None: intact)."""
+        return None
+
     def evict(self, num_tokens: int) -> int:
         """Free up to (at least, page granularity permitting) `num_tokens` cached slots."""
         return 0

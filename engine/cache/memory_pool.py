@@ -33,6 +33,14 @@ class ReqToTokenPool:
         # Tensor parallelism: every write, in order, until the next forward ships them to the other
         # ranks' copies of the table (`take_writes` / `apply_writes`). None: not recorded.
         self._journal: deque[TableWrite] | None = None
+        # Hybrid SWA memory (engine/cache/swa_pool.py): the same table in SWA slots, kept in step
+        # with every write through the allocator's full -> SWA map. None: off.
+        self.full_to_swa: torch.Tensor | None = None
+        self.req_to_swa_token: torch.Tensor | None = None
+
+    def attach_swa(self, full_to_swa: torch.Tensor) -> None:
+        self.full_to_swa = full_to_swa
+        self.req_to_swa_token = torch.zeros_like(self.req_to_token)
 
     def record_writes(self) -> None:
         """Keep every write from now on for `take_writes` (rank 0 of a tensor-parallel group)."""
@@ -68,12 +76,17 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         """Record that positions [start, start+len(slots)) of request row `idx` live in `slots`."""
         self.req_to_token[idx, start : start + len(slots)] = slots.to(torch.int32)
+        if self.full_to_swa is not None:
+            swa = self.full_to_swa[slots.to(torch.int64)]
+            self.req_to_swa_token[idx, start : start + len(slots)] = swa.to(torch.int32)
         if self._journal is not None:
             self._journal.append((idx, start, slots.tolist()))
 
     def write_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """One slot per request: position `positions[i]` of row `rows[i]` lives in `slots[i]` (decode)."""
         self.req_to_token[rows, positions] = slots.to(torch.int32)
+        if self.full_to_swa is not None:
+            self.req_to_swa_token[rows, positions] = self.full_to_swa[slots.to(torch.int64)].to(torch.int32)
         if self._journal is not None:
             for idx, pos, slot in zip(rows, positions, slots.tolist()):
                 self._journal.append((idx, pos, [slot]))
@@ -97,6 +110,7 @@ class TokenToKVPoolAllocator:
         self.device = torch.device(device)
         self.num_pages = size // page_size  # page 0 is the padding page
         self.size = (self.num_pages - 1) * page_size  # usable slots
+        self.full_size = self.size  # of the token index space (hybrid SWA memory: the full pool's)
         if self.size <= 0:
             raise ValueError(f"KV pool of {size} tokens is too small for page_size {page_size}")
         self.clear()
@@ -108,6 +122,10 @@ class TokenToKVPoolAllocator:
 
     def available_size(self) -> int:
         return len(self._free_pages) * self.page_size
+
+    def full_available_size(self) -> int:
+        """Free slots of the token index space (hybrid SWA memory has a second pool beside it)."""
+        return self.available_size()
 
     def alloc(self, need: int) -> torch.Tensor | None:
         """`need` fresh slots (whole new pages), or None if they do not fit."""
@@ -180,12 +198,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layer_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.size = size
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
         self.shape = (size, num_kv_heads, head_dim)
+        # Hybrid SWA memory: the local layers' buffers have the SWA pool's size (swa_pool.py).
+        self.layer_sizes = layer_sizes if layer_sizes is not None else (size,) * num_layers
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
         self.restore()
@@ -197,8 +218,9 @@ class KVCache:
 
     def restore(self) -> None:
         """Zeroed buffers again (at construction, and on resume after `release`)."""
-        self.k_buffer = [self._zeros(self.shape) for _ in range(self.num_layers)]
-        self.v_buffer = [self._zeros(self.shape) for _ in range(self.num_layers)]
+        shapes = [(n, *self.shape[1:]) for n in self.layer_sizes]
+        self.k_buffer = [self._zeros(shape) for shape in shapes]
+        self.v_buffer = [self._zeros(shape) for shape in shapes]
 
     @property
     def released(self) -> bool:

@@ -194,6 +194,9 @@ class RadixCache(BasePrefixCache):
 
     def match_prefix(self, key: list[int], namespace: int = 0) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached page-aligned prefix in `namespace`; splits a node so the result ends at a node."""
+        return self._walk(key, namespace)
+
+    def _walk(self, key: list[int], namespace: int) -> tuple[torch.Tensor, TreeNode]:
         key = key[: self._aligned(len(key))]
         now = next(self._clock)
         node, values = self._root(namespace), []
@@ -251,6 +254,15 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return length
 
+    def exclusive_start(self, req: CacheableReq) -> int:
+        """The first position of `req`'s row no other running request reads: the start of the
+        deepest run of nodes on its path that only it has locked (its own tail is its alone)."""
+        start, node = self._tree_len(req), req.last_node
+        while node is not None and node.parent is not None and node.lock_ref == 1:
+            start -= len(node.key)
+            node = node.parent
+        return start
+
     def _insertable(self, req: CacheableReq, token_ids: list[int], tree_len: int) -> int:
         """How many leading tokens of `req` may enter the tree: known, computed, page-aligned (and
         never fewer than its tree prefix, which is computed KV by construction)."""
@@ -295,7 +307,7 @@ class RadixCache(BasePrefixCache):
         n = self._insertable(req, token_ids, tree_len)
         present = self.insert(token_ids[:n], kv[:n], req.lora_key)
         self.token_to_kv_pool_allocator.free(kv[tree_len:present])
-        new_indices, new_node = self.match_prefix(token_ids[:n], req.lora_key)
+        new_indices, new_node = self._walk(token_ids[:n], req.lora_key)
         assert len(new_indices) == n, "a just-inserted key must match in full"
         self.req_to_token_pool.write(row, 0, new_indices)
         req.prefix_indices = torch.cat([new_indices, kv[n:]])

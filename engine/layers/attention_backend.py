@@ -111,21 +111,28 @@ def create_attention_backend(
     cascade: bool = True,
     windows: tuple[int, ...] = (),
     softcap: float | None = None,
+    swa_memory: bool = False,
 ) -> AttentionBackend:
     """The backend object for a name returned by `resolve_attention_backend`.
 
     `cascade` (shared-prefix decode) applies to the cpu and torch backends. A model with sliding
     windows (`windows`: one per layer, 0 = none) or an attention soft-cap gets the backend wrapped in
-    `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not.
+    `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not; `swa_memory`:
+    the local layers' KV lives in the SWA pool (engine/cache/swa_pool.py).
     """
-    if name == "cpu":
-        backend: AttentionBackend = CpuAttnBackend(layout, cascade=cascade)
-    elif name == "torch":
-        backend = TorchAttnBackend(layout, cascade=cascade)
-    elif name == "triton":
-        backend = TritonAttnBackend(layout)
-    else:
-        raise ValueError(f"unresolved attention backend {name!r}")
+    backend = _backend(name, layout, cascade)
     if any(windows) or softcap is not None:
-        return WindowedAttnBackend(backend, layout, windows, softcap)
+        # Hybrid SWA memory: the local layers plan over their own table (attention_window.py).
+        swa_inner = _backend(name, layout, cascade) if swa_memory else None
+        return WindowedAttnBackend(backend, layout, windows, softcap, swa_inner)
     return backend
+
+
+def _backend(name: str, layout: HeadLayout, cascade: bool) -> AttentionBackend:
+    if name == "cpu":
+        return CpuAttnBackend(layout, cascade=cascade)
+    if name == "torch":
+        return TorchAttnBackend(layout, cascade=cascade)
+    if name == "triton":
+        return TritonAttnBackend(layout)
+    raise ValueError(f"unresolved attention backend {name!r}")

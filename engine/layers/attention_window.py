@@ -14,11 +14,17 @@ Gemma 2 also squashes every attention score through `cap * tanh(score / cap)` be
   scores when soft-capped: SDPA has no cap), a speculative verify one decode query per token (as
   the CPU backend does, so speculation never changes a greedy token).
 
-The KV of positions that left every window stays allocated in the pool (each layer's table is the
-same token-level table); freeing it per layer is the SWA pool's job, not built yet.
+With hybrid SWA memory (engine/cache/swa_pool.py) the local layers' buffers are indexed by SWA
+slots: they run on a view of the forward (`swa_view`) whose request table and output slots are in
+that space, with a backend object of their own (`swa_inner`, a second instance of the wrapped
+kind: a backend's plan belongs to one table). Positions whose SWA slots were released are never
+read: they are older than every window of a request longer than the smallest one, and a forward
+where no request is longer than that releases nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -131,19 +137,52 @@ class WindowPlan:
         return out.view(layout.num_heads, q.shape[1], layout.head_dim).to(q.dtype)
 
 
-class WindowedAttnBackend:
-    """`inner` for the layers and forwards full attention serves exactly; `WindowPlan` for the rest."""
+class SWATable:
+    """The request table in SWA slots, where a backend looks for `req_to_token`."""
 
-    def __init__(self, inner: AttentionBackend, layout: HeadLayout, windows: tuple[int, ...], softcap: float | None):
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token
+
+
+def swa_view(fb: ForwardBatch) -> ForwardBatch:
+    """`fb` as the local layers see it under hybrid SWA memory: SWA slots throughout."""
+    pool = fb.req_to_token_pool
+    assert pool.req_to_swa_token is not None and pool.full_to_swa is not None
+    table = SWATable(pool.req_to_swa_token)
+    return replace(fb, req_to_token_pool=table, out_cache_loc=pool.full_to_swa[fb.out_cache_loc])  # type: ignore[arg-type]
+
+
+class WindowedAttnBackend:
+    """`inner` for the layers and forwards full attention serves exactly; `WindowPlan` for the rest.
+
+    With `swa_inner` (hybrid SWA memory) the local layers run on `swa_view(fb)` through
+    `swa_inner` or a plan of their own; the global layers on `fb` as before.
+    """
+
+    def __init__(
+        self,
+        inner: AttentionBackend,
+        layout: HeadLayout,
+        windows: tuple[int, ...],
+        softcap: float | None,
+        swa_inner: AttentionBackend | None = None,
+    ):
         self.inner, self.layout, self.windows, self.softcap = inner, layout, windows, softcap
+        self.swa_inner = swa_inner
         self.min_window = min((w for w in windows if w), default=0)
         self.plan: WindowPlan | None = None
-        self.own_layers: frozenset[int] = frozenset()  # layers this forward runs through `plan`
+        self.swa_plan: WindowPlan | None = None
+        self.swa_fb: ForwardBatch | None = None  # this forward's SWA view (hybrid SWA memory)
+        self.own_layers: frozenset[int] = frozenset()  # layers this forward runs through a plan
         self.binding: tuple[int, ...] = windows  # this forward's window per layer (GLOBAL where none binds)
 
     def binds(self, fb: ForwardBatch) -> bool:
         """Whether some sequence of this forward is longer than the smallest window."""
         return bool(self.min_window) and max(fb.seq_lens_cpu) > self.min_window
+
+    def _local(self, layer_id: int) -> bool:
+        """Whether this layer reads the SWA view (hybrid SWA memory, a windowed layer)."""
+        return self.swa_inner is not None and self.windows[layer_id] != GLOBAL
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         binds = self.binds(fb)
@@ -153,18 +192,32 @@ class WindowedAttnBackend:
             self.own_layers = frozenset(i for i, w in enumerate(self.windows) if w)
         else:
             self.own_layers = frozenset()
-        if len(self.own_layers) < len(self.windows):
-            self.inner.init_forward_metadata(fb)
         self.binding = self.windows if binds else (GLOBAL,) * len(self.windows)
-        needed = {self.binding[i] for i in self.own_layers}
-        self.plan = WindowPlan(self.layout, self.softcap, needed, fb) if self.own_layers else None
+        self.swa_fb = swa_view(fb) if self.swa_inner is not None else None
+        views = {False: fb, True: self.swa_fb}
+        inners = {False: self.inner, True: self.swa_inner}
+        plans: dict[bool, WindowPlan | None] = {False: None, True: None}
+        for local in (False, True):
+            layers = [i for i in range(len(self.windows)) if self._local(i) == local]
+            if any(i not in self.own_layers for i in layers):
+                inners[local].init_forward_metadata(views[local])  # type: ignore[union-attr,arg-type]
+            needed = {self.binding[i] for i in layers if i in self.own_layers}
+            if needed:
+                plans[local] = WindowPlan(self.layout, self.softcap, needed, views[local])  # type: ignore[arg-type]
+        self.plan, self.swa_plan = plans[False], plans[True]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
+        local = self._local(layer_id)
+        view = self.swa_fb if local else fb
+        assert view is not None
         if layer_id not in self.own_layers:
-            return self.inner.forward(q, k, v, layer_id, fb)
-        pool: KVCache = fb.token_to_kv_pool
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        assert self.plan is not None
-        return self.plan.forward(q, layer_id, self.binding[layer_id])
+            inner = self.swa_inner if local else self.inner
+            assert inner is not None
+            return inner.forward(q, k, v, layer_id, view)
+        pool: KVCache = view.token_to_kv_pool
+        pool.set_kv(layer_id, view.out_cache_loc, k, v)
+        plan = self.swa_plan if local else self.plan
+        assert plan is not None
+        return plan.forward(q, layer_id, self.binding[layer_id])

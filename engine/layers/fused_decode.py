@@ -141,7 +141,12 @@ class FusedDecodeLayers:
         if isinstance(backend, WindowedAttnBackend):  # a sliding window past which a sequence ran
             if backend.own_layers:
                 return None
-            backend = backend.inner
+            if backend.swa_inner is not None:  # hybrid SWA memory: the loop reads one slot table
+                if not all(backend.windows):
+                    return None
+                backend = backend.swa_inner
+            else:
+                backend = backend.inner
         plan = backend.plan if isinstance(backend, CpuAttnBackend) else None
         return plan if isinstance(plan, (KernelDecodePlan, KernelExtendPlan)) else None
 
@@ -155,13 +160,13 @@ class FusedDecodeLayers:
     ) -> torch.Tensor:
         """Every layer over the residual stream `x` (updated in place): the last layer's output."""
         rows = fb.lora.row_slots if fb.lora is not None and not fb.lora.empty else None
+        loc = fb.out_cache_loc
+        backend = fb.attn_backend
+        if isinstance(backend, WindowedAttnBackend) and backend.swa_fb is not None:
+            loc = backend.swa_fb.out_cache_loc  # every layer local (see `plan`): SWA slots
         if isinstance(plan, KernelDecodePlan):
-            return self.native.forward(
-                x, cos, sin, fb.out_cache_loc, plan.slots, plan.lens, None, plan.query_starts, rows
-            )
-        return self.native.forward(
-            x, cos, sin, fb.out_cache_loc, plan.slots, plan.extend_lens, plan.prefix_lens, None, rows
-        )
+            return self.native.forward(x, cos, sin, loc, plan.slots, plan.lens, None, plan.query_starts, rows)
+        return self.native.forward(x, cos, sin, loc, plan.slots, plan.extend_lens, plan.prefix_lens, None, rows)
 
 
 def _add_lora(native: Any, pool: LoRAPool) -> bool:

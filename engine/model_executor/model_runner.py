@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, kv_pool_size_from_budget
+from engine.cache.swa_pool import build_hybrid_memory
 from engine.device.step_threads import StepThreads, measure_small_step_threads
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
@@ -122,6 +123,9 @@ class ModelRunner(RunnerWeights):
             and not (cfg.layer_windows or cfg.attn_logit_softcap is not None or cfg.moe_layers)
             and cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
         )
+        # Hybrid SWA memory (engine/cache/swa_pool.py): one rank only, for now (the other ranks
+        # replay the full table's writes, not the SWA one's).
+        self.swa_memory = bool(cfg.layer_windows) and not args.disable_hybrid_swa_memory and self.tp.size == 1
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
         self.shard = shard = self.model.shard
         self.lora = LoRAManager.build(args, cfg, self.device, self.dtype, shard)  # None: LoRA off
@@ -134,7 +138,7 @@ class ModelRunner(RunnerWeights):
         cascade = not args.disable_cascade_attention and self.device.type == "cpu" and not deterministic
         windows = cfg.layer_windows or (0,) * cfg.num_layers
         self.attn_backend = create_attention_backend(
-            self.attn_backend_name, layout, cascade, windows, cfg.attn_logit_softcap
+            self.attn_backend_name, layout, cascade, windows, cfg.attn_logit_softcap, self.swa_memory
         )
         log.info("attention backend: %s", self.attn_backend_name)
         self._init_fused_decode()
@@ -256,11 +260,16 @@ class ModelRunner(RunnerWeights):
         mem_fraction = args.mem_fraction_static
         if mem_fraction is None:
             mem_fraction = default_mem_fraction(self.device.type)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, self.device)
+        if self.swa_memory:  # the local layers' KV in a pool of its own
+            self.token_to_kv_pool_allocator, self.kv_cache = build_hybrid_memory(
+                args, cfg, kv_heads, self.dtype, self.device, int(free_bytes * mem_fraction), self.req_to_token_pool
+            )
+            return
         size = kv_pool_size_from_budget(args.max_total_tokens, mem_fraction, per_token, args.page_size, free_bytes)
         # Slots are allocated on rank 0 and name the same slot on every rank: one size for all.
         size = min(self.tp.all_gather_object(size))
         args.check_pool(size - args.page_size, self.context_len)  # usable slots; before the buffers exist
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, args.page_size, self.device)
         self.kv_cache = KVCache(size, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", self.token_to_kv_pool_allocator.size, size * per_token / 2**20)

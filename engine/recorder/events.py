@@ -78,6 +78,10 @@ class Header(msgspec.Struct, frozen=True):
     # False: prompts are stand-in ids, stop strings and grammar specs their lengths (redact.py).
     # True by default because dumps written before the option had them.
     prompts_recorded: bool = True
+    # Hybrid SWA memory (engine/cache/swa_pool.py): the SWA pool's constructor size and the window
+    # it releases behind; 0: a plain pool.
+    swa_pool_slots: int = 0
+    swa_window: int = 0
 
 
 # ---- summaries (compared by replay) -----------------------------------------------------------

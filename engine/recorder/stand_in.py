@@ -17,6 +17,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.cache.swa_pool import SWATokenToKVPoolAllocator
 from engine.lora import LoRAError, LoRAPool, parse_lora_paths
 from engine.recorder.events import Header
 from engine.server_args import ServerArgs
@@ -103,11 +104,19 @@ class ReplayLoRA:
 def stand_in_runner(header: Header, args: ServerArgs) -> SimpleNamespace:
     """What `Scheduler` reads of a ModelRunner (see the module docstring)."""
     cfg = SimpleNamespace(vocab_size=header.vocab_size, eos_token_ids=frozenset(header.eos_token_ids))
+    pool = ReqToTokenPool(header.req_pool_rows, header.req_pool_width)
+    alloc: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator
+    if header.swa_pool_slots:  # hybrid SWA memory: its releases and reclaims decide admissions
+        slots = (header.kv_pool_slots, header.swa_pool_slots)
+        alloc = SWATokenToKVPoolAllocator(*slots, header.swa_window, header.page_size)
+        pool.attach_swa(alloc.full_to_swa)
+    else:
+        alloc = TokenToKVPoolAllocator(header.kv_pool_slots, header.page_size)
     return SimpleNamespace(
         args=args,
         model_config=cfg,
         context_len=header.context_len,
-        req_to_token_pool=ReqToTokenPool(header.req_pool_rows, header.req_pool_width),
-        token_to_kv_pool_allocator=TokenToKVPoolAllocator(header.kv_pool_slots, header.page_size),
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=alloc,
         lora=ReplayLoRA(args) if args.enable_lora or args.lora_paths else None,
     )

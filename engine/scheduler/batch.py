@@ -20,6 +20,7 @@ import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.cache.swa_pool import SWATokenToKVPoolAllocator, release_out_of_window
 from engine.constrained import allocate_bitmask, fill_bitmasks
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch, PromptLogprobPlan
 from engine.sampling import SamplingBatchInfo
@@ -83,6 +84,7 @@ class ScheduleBatch:
         """
         self.forward_mode = ForwardMode.EXTEND
         pool, alloc = self.req_to_token_pool, self.token_to_kv_pool_allocator
+        self.release_out_of_window()
         need_rows = [r for r in self.reqs if r.req_pool_idx is None]
         rows = pool.alloc(len(need_rows))
         if rows is None:
@@ -103,6 +105,7 @@ class ScheduleBatch:
             req.req_pool_idx = row
             # A fresh row starts from a tree prefix: computed KV (a continued chunk keeps its count).
             req.kv_computed_len = len(req.prefix_indices)
+            req.swa_released_len = 0
         input_ids: list[int] = []
         for req, slots in zip(self.reqs, new_slots):
             prefix_len = len(req.prefix_indices)
@@ -119,6 +122,14 @@ class ScheduleBatch:
         self._set_index_tensors()
         return True
 
+    def release_out_of_window(self) -> None:
+        """Hybrid SWA memory: the running requests give back the SWA slots their windows left,
+        before this forward allocates (engine/cache/swa_pool.py)."""
+        alloc = self.token_to_kv_pool_allocator
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            assert self.tree_cache is not None
+            release_out_of_window(self.reqs, self.req_to_token_pool, alloc, self.tree_cache, alloc.window)
+
     # ---- decode -------------------------------------------------------------------------------
 
     def prepare_for_decode(self, inputs_on_device: bool = False) -> bool:
@@ -129,6 +140,7 @@ class ScheduleBatch:
         """
         self.forward_mode = ForwardMode.DECODE
         alloc = self.token_to_kv_pool_allocator
+        self.release_out_of_window()
         if alloc.page_size == 1:
             slots = alloc.alloc(len(self.reqs))
             if slots is None:
@@ -168,6 +180,7 @@ class ScheduleBatch:
         """Speculative decoding: KV slots for each request's last token and its `drafts`, all or
         nothing (page size 1). The forward writes them all; the scheduler frees the rejected ones
         once it knows (engine/scheduler/speculation.py)."""
+        self.release_out_of_window()
         slots = self.token_to_kv_pool_allocator.alloc(sum(len(d) + 1 for d in drafts))
         if slots is None:
             return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine.cache.swa_pool import SWATokenToKVPoolAllocator
 from engine.errors import InvalidRequestError
 from engine.scheduler.scheduler import Scheduler
 
@@ -35,6 +36,7 @@ def scheduler_state(sched: Scheduler) -> dict[str, Any]:
     elapsed = max(time.perf_counter() - sched.started_at, 1e-9)
     size = sched.allocator.size
     available, evictable = sched.allocator.available_size(), sched.tree_cache.evictable_size()
+    swa = sched.allocator if isinstance(sched.allocator, SWATokenToKVPoolAllocator) else None
     return {
         "running_requests": len([r for r in sched.running_batch.reqs if not r.finished()]),
         "waiting_requests": sched.num_waiting + (1 if sched.chunked_req is not None else 0),
@@ -53,6 +55,9 @@ def scheduler_state(sched: Scheduler) -> dict[str, Any]:
         "grammar_mask_fill_s": sched.grammar_mask_fill_s,
         "grammar_mask_apply_s": sched.grammar_mask_apply_s,
         "page_size": sched.page_size,
+        # hybrid SWA memory (engine/cache/swa_pool.py): the local layers' pool (None: off)
+        "swa_tokens": swa.swa.size if swa is not None else None,
+        "swa_used_tokens": swa.swa_used() if swa is not None else None,
         "radix_cache": not sched.args.disable_radix_cache,
         # n-gram speculative decoding: verify forwards, drafted and accepted tokens (None: off)
         "speculative": sched.speculation.stats() if sched.speculation is not None else None,

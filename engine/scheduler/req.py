@@ -95,6 +95,7 @@ class Req:
         "spec",
         "stop_check",
         "stop_token_ids",
+        "swa_released_len",
         "top_logprobs_num",
     )
 
@@ -151,6 +152,7 @@ class Req:
         self.is_chunked = 0  # > 0 while the prompt is being prefilled chunk by chunk
         self.kv_committed_len = 0  # positions with KV slots (a running forward may still be writing some)
         self.kv_computed_len = 0  # positions whose KV a completed forward wrote (only these enter the tree)
+        self.swa_released_len = 0  # hybrid SWA memory: positions below this gave back their SWA slots
         # Times this request was retracted: a result computed for an older epoch is dropped.
         self.epoch = 0
         self.queued_at = time.perf_counter()  # created as it enters the waiting queue

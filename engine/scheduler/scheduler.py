@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache
-from engine.cache.chunk_cache import ChunkCache
-from engine.cache.radix_cache import RadixCache
+from engine.cache.swa_radix_cache import make_prefix_cache
 from engine.constrained import CompiledGrammar
 from engine.host_memory import trim_host_memory
 from engine.model_executor.model_runner import GenerationBatchResult, ModelRunner
@@ -63,8 +62,9 @@ class Scheduler:
         self.page_size, self.vocab_size = args.page_size, runner.model_config.vocab_size
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
-        self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
+        self.tree_cache: BasePrefixCache = make_prefix_cache(
+            self.req_to_token_pool, self.allocator, args.page_size, args.disable_radix_cache
+        )
         self.lora = LoRAAdmission.of(runner)  # adapters pinned by held requests (LoRA off: a no-op)
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
@@ -429,17 +429,18 @@ class Scheduler:
 
     def check_memory(self) -> None:
         """When no request holds memory: every KV slot is free or in the tree, every row free."""
-        total = self.allocator.size
-        avail, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
+        total, error = self.allocator.full_size, self.tree_cache.idle_error()  # None: the cache's own invariant holds
+        avail, evictable = self.allocator.full_available_size(), self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
         rows_free = self.req_to_token_pool.available_size()
         if avail + evictable + protected != total or rows_free != self.req_to_token_pool.size or protected:
-            msg = (
+            error = (
                 f"memory leak: available={avail} evictable={evictable} protected={protected} total={total} "
                 f"free_rows={rows_free}/{self.req_to_token_pool.size}"
             )
-            log.error(msg)
-            raise MemoryLeakError(msg)
+        if error:
+            log.error(error)
+            raise MemoryLeakError(error)
 
     def flush_cache(self, waiting_ok: bool = False) -> bool:
         if not (self.holds_nothing() if waiting_ok else self.is_idle()):  # waiting requests hold no KV
