@@ -114,6 +114,34 @@ def test_grouped_experts_equal_a_per_token_loop(renormalize, fp32_weights):
         torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fp32_weights", [False, True])
+def test_cpu_kernel_matches_the_grouped_path_in_bf16(fp32_weights):
+    """bf16 on a CPU: the one-call C++ experts (cpu_moe.cpp) are as close to an fp32 reference as
+    the grouped torch path; an expert set's ids (expert parallelism) skip the others' pairs."""
+    moe = FusedMoE(64, 8, 3, 32, "silu", True, fp32_weights, TPGroup.single(), torch.device("cpu"), torch.bfloat16)
+    if moe.kernel is None:
+        pytest.skip("the CPU kernels did not build here")
+    torch.manual_seed(4)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(11, 64).bfloat16()
+    weights, ids = moe.route(x)
+    got = moe.kernel.moe_experts(x, moe.w13, moe.w2, ids, weights.float()).float()
+    grouped = moe.experts(x, weights, ids).float()
+    ref = torch.zeros(11, 64)
+    for t in range(11):
+        for w, e in zip(weights[t].float(), ids[t].tolist()):
+            gate, up = (moe.w13[e].float() @ x[t].float()).chunk(2)
+            ref[t] += w * (moe.w2[e].float() @ (torch.nn.functional.silu(gate) * up))
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) <= max(2 * float((grouped - ref).abs().max()), 0.02 * scale)
+    low = moe.kernel.moe_experts(x, moe.w13[:4], moe.w2[:4], ids, weights.float()).float()  # experts 0-3
+    high = moe.kernel.moe_experts(x, moe.w13[4:], moe.w2[4:], ids - 4, weights.float()).float()  # 4-7
+    torch.testing.assert_close(low + high, got, atol=0.03 * scale, rtol=0.0)
+    none = moe.kernel.moe_experts(x, moe.w13[:4], moe.w2[:4], ids + 8, weights.float())
+    assert not none.any()
+
+
 def _copy_without(folder: str, dest, drop: str) -> None:
     shutil.copytree(folder, dest, dirs_exist_ok=True)
     tensors = load_file(f"{folder}/model.safetensors")
@@ -243,8 +271,23 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
     assert len(moe) == BF16_SHAPE["num_hidden_layers"] and all(m.w13.dtype == torch.bfloat16 for m in moe)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, BF16_SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (4, 37, 12, 60, 20, 90)]
+    calls = {"kernel": 0}
+    kernel = moe[0].kernel
+    if kernel is not None:  # decode steps (small expert groups) take the C++ experts, prefills oneDNN's GEMMs
+        for m in moe:
+            m.kernel = _Counting(kernel, calls)
     sched = SyncScheduler(runner)
     reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=24)) for p in prompts]
     sched.run_until_idle()
     bar = teacher_forced(hf, prompts, [r.output_ids for r in reqs])
     assert bar["ok"], f"{name}: {bar}"
+    assert kernel is None or calls["kernel"] >= 23 * len(moe)
+
+
+class _Counting:
+    def __init__(self, module, calls: dict[str, int]) -> None:
+        self.module, self.calls = module, calls
+
+    def moe_experts(self, *args):
+        self.calls["kernel"] += 1
+        return self.module.moe_experts(*args)

@@ -38,6 +38,7 @@ SOURCES = (
     "cpu_quant_gemv.cpp",
     "cpu_decode_layers.cpp",
     "cpu_lora.cpp",
+    "cpu_moe.cpp",
     "bindings.cpp",
 )
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -23,7 +23,11 @@ rows of gate and of up, its columns of down): its output is a partial sum, all-r
 runs only the (token, choice) pairs routed to them: the all-reduce sums the sets' outputs. The
 router is replicated, so every rank routes every token alike. The per-expert loop reads the
 group sizes on the host: no CUDA graph can capture it. On CUDA the experts run as two grouped
-Triton GEMMs instead (triton_moe.py: no host read; pairs summed per token in a fixed order).
+Triton GEMMs instead (triton_moe.py: no host read; pairs summed per token in a fixed order). On a
+CPU in bf16, a forward whose mean expert group is small (`KERNEL_MAX_GROUP`: decode steps, short
+prefills) runs every expert in one C++ call (engine/kernels/csrc/cpu_moe.cpp: the same roundings,
+no op per expert); fp32 keeps the grouped torch path, which transformers' op order makes
+token-identical.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
+from engine.kernels import cpu_extension
 from engine.layers.activation import get_act_and_mul
+
+# A bf16 CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is
+# at most this many (token, expert) pairs, one block of the kernel; larger groups go faster through
+# oneDNN's GEMMs (measured crossover at 8-10 pairs for 8 and 64 experts: docs/PERFORMANCE.md).
+KERNEL_MAX_GROUP = 8
 
 
 class FusedMoE(nn.Module):
@@ -68,6 +78,9 @@ class FusedMoE(nn.Module):
         self.w13 = param(local, 2 * intermediate_size, hidden_size)
         self.w2 = param(local, hidden_size, intermediate_size)
         self.act_fn = get_act_and_mul(hidden_act, intermediate_size, device, dtype)
+        # bf16 on a CPU: forwards of a few tokens run every expert in one C++ call (cpu_moe.cpp)
+        module = cpu_extension.load() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        self.kernel = module if hidden_act == "silu" and hasattr(module, "moe_experts") else None
 
     def holds(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.num_local_experts
@@ -125,6 +138,9 @@ class FusedMoE(nn.Module):
             from engine.layers.triton_moe import fused_experts  # a CPU model never imports triton
 
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn, self.expert_start))
+        if self.kernel is not None and x.shape[0] * self.top_k <= KERNEL_MAX_GROUP * self.num_experts:
+            out = self.kernel.moe_experts(x, self.w13, self.w2, ids - self.expert_start, weights.float())
+            return self.tp.all_reduce(out)
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

@@ -24,6 +24,8 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
+                          torch::Tensor weights);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // This library's copy of ATen's once-per-thread thread-count init runs at its first parallel
@@ -52,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16, engine/lora/ops.py's CPU path)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 tokens (engine/layers/moe.py)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<asyncllm::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
