@@ -43,8 +43,12 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VPY) -m server --model-path smollm2-135m --host $(HOST) --port $(PORT)
 
+# Two pytest workers, a test file each at a time (module fixtures built once): the in-process tests
+# run torch on one thread (tests/conftest.py), so two of them fill a 2-core machine; ~1.8x faster
+# than one worker there (docs/PERFORMANCE.md, test suite). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # ruff: lint rules and formatting (configured in pyproject.toml); `make format` applies the fixes.
 lint: setup

@@ -137,6 +137,27 @@ def test_long_request_holds_a_window_of_swa_kv(mistral):
     assert req.output_ids == hf_generate(hf, prompt, new)
 
 
+def test_paged_pool_releases_whole_pages(mistral):
+    """Pages of 4: releases, reclaims and radix matches in whole pages; tokens stay transformers'."""
+    folder, hf = mistral
+    runner = runner_for(folder, page_size=4, max_total_tokens=1024, swa_full_tokens_ratio=0.25)
+    alloc = runner.token_to_kv_pool_allocator
+    sched = SyncScheduler(runner, runner.args)
+    shared = prompt_of(44, 8)
+    prompts = [shared + prompt_of(30 + 9 * i, 40 + i) for i in range(3)] + [prompt_of(150, 9)]
+    reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=90)) for p in prompts]
+    held = run_tracking_swa(sched)
+    for req, prompt in zip(reqs, prompts):
+        assert req.output_ids == hf_generate(hf, prompt, 90)
+    assert max(held) <= alloc.swa.size and alloc.swa_used() % 4 == 0
+    sched.scheduler.check_memory()
+    late = shared + prompt_of(20, 50)
+    req = sched.add_request(late, SamplingParams(temperature=0.0, max_new_tokens=30))
+    sched.run_until_idle()
+    assert req.output_ids == hf_generate(hf, late, 30) and req.cached_tokens % 4 == 0
+    sched.scheduler.check_memory()
+
+
 def test_released_kv_serves_a_shared_prefix_and_the_next_turn(mistral):
     folder, hf = mistral
     runner = runner_for(folder)
