@@ -5,7 +5,8 @@ kernel, cascade attention). One target request's logits rows (those its tokens w
 must be bit-identical alone, inside batches of 4, 16 and 64 mixed requests (joining at start and
 mid-run), with its prompt prefilled in 16-token chunks (alone and in a batch), and with its prefix
 served by the radix cache. Seeded sampling gives the same tokens in a batch as alone. The fixed
-row tiles themselves: a row's result is the same bits at any batch size and position.
+row tiles themselves: a row's result is the same bits at any batch size and position. Decode steps
+take the fused C++ layer loop on the same tiles: the same bits as the Python layers.
 """
 
 from __future__ import annotations
@@ -127,8 +128,31 @@ def test_every_projection_runs_in_fixed_row_tiles(deterministic):
     projections = [m for m in model.modules() if hasattr(m, "output_sizes") and not isinstance(m, OneDNNLinear)]
     assert projections and all(isinstance(m, BatchInvariantLinear) for m in projections if m is not model.lm_head)
     assert isinstance(model.lm_head, BatchInvariantLinear)
-    assert deterministic.q4_max_tokens == 0 and model.fused_decode is None
+    assert deterministic.q4_max_tokens == 0 and model.fused_decode is not None and model.fused_decode.tiled
     assert deterministic.step_threads is not None and deterministic.step_threads.pin_extend
+
+
+def test_fused_decode_loop_gives_the_python_layers_bits(deterministic):
+    """Decode steps run the C++ layer loop on the same row tiles as the Python layers: the target's
+    logits are the same bits either way, alone and in a batch."""
+    model = deterministic.model
+    fused, calls = model.fused_decode, {"n": 0}
+    real = fused.forward
+
+    def counting(*args, **kw):
+        calls["n"] += 1
+        return real(*args, **kw)
+
+    fused.forward = counting
+    try:
+        ids, rows, _ = _target_rows(deterministic, others=5)
+        assert calls["n"] >= GREEDY.max_new_tokens - 1  # every decode step took the loop
+        model.fused_decode = None
+        ids_py, rows_py, _ = _target_rows(deterministic, others=5)
+    finally:
+        model.fused_decode = fused
+        fused.forward = real
+    assert ids == ids_py and all(torch.equal(a, b) for a, b in zip(rows, rows_py))
 
 
 def test_logits_are_bit_identical_in_any_batch_chunking_and_radix_state(deterministic, default_source):

@@ -24,6 +24,10 @@ Multi-LoRA: given the LoRA pool (bf16 CPU buffers, the torch path's form), the l
 (`LoRABatchInfo.row_slots`): after each projection the C++ loop adds the deltas (csrc/cpu_lora.cpp,
 engine/lora/ops.py's arithmetic and roundings, another summation order), instead of the forward
 leaving the loop for the Python layers.
+
+Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight; the
+loop runs each on decode's row tiles (`RowTiles.DECODE`, the same padded calls), so it takes
+decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import OneDNNLinear, QuantLinear
+from engine.layers.linear import BatchInvariantLinear, OneDNNLinear, QuantLinear, RowTiles
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
 from engine.lora.projections import PROJECTIONS
@@ -55,10 +59,15 @@ class _Form(NamedTuple):
     q4_rows: int | None  # the quantized form's row bound; None: no quantized form
     bias: torch.Tensor | None
     has_dense: bool  # the oneDNN-packed weight, which runs above the bound (or alone)
+    tile_rows: int = 0  # deterministic inference: the dense weight on row tiles of this size
 
 
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
+    if isinstance(module, BatchInvariantLinear) and isinstance(module.inner, OneDNNLinear):
+        # decode-like forwards only (`plan`): their tile, as `RowTiles.select` picks it
+        inner = module.inner
+        return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
     if isinstance(module, OneDNNLinear):
         return _Form([module.packed], module.out_features, None, module.bias, True)
     if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight)):
@@ -77,10 +86,13 @@ def _form(module: Any) -> _Form | None:
 class FusedDecodeLayers:
     """The C++ layer loop of one model over its KV pool; see the module docstring."""
 
-    def __init__(self, native: Any, max_rows: int | None, lora: bool = False) -> None:
+    def __init__(self, native: Any, max_rows: int | None, lora: bool = False, tiled: bool = False) -> None:
         self.native = native
         self.max_rows = max_rows  # None: every projection has a dense form, any row count runs
         self.lora = lora  # it adds the LoRA pool's deltas: forwards with adapter rows may take it
+        # deterministic inference: its projections run decode's row tiles, so it takes decode-like
+        # forwards only (an extend's tiles are another size: its rows would differ by path)
+        self.tiled = tiled
 
     @classmethod
     def build(cls, model: Any, pool: KVCache, lora: LoRAPool | None = None) -> FusedDecodeLayers | None:
@@ -104,8 +116,10 @@ class FusedDecodeLayers:
                 return None
             forms.append([f for f in projections if f is not None])
         q4_bounds = {f.q4_rows for layer in forms for f in layer if f.q4_rows is not None}
-        if len(q4_bounds) > 1:
+        tiles = {f.tile_rows for layer in forms for f in layer}
+        if len(q4_bounds) > 1 or len(tiles) > 1:
             return None
+        tile_rows = tiles.pop()
         q4_rows = q4_bounds.pop() if q4_bounds else 0
         native = module.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.softmax_scale)
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
@@ -126,16 +140,19 @@ class FusedDecodeLayers:
                 q4_rows,
                 [qkv.bias, o.bias, gate_up.bias, down.bias],
                 None if qk_norm is None else qk_norm.table,
+                tile_rows,
             )
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
         dense_everywhere = all(f.has_dense for layer in forms for f in layer)
-        return cls(native, None if dense_everywhere else q4_rows, with_lora)
+        return cls(native, None if dense_everywhere else q4_rows, with_lora, tile_rows > 0)
 
     def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
         """This forward's kernel attention plan when the fused loop takes the forward (at most
         `max_rows` tokens, the plain kernel decode or extend plan), else None."""
         if self.max_rows is not None and num_tokens > self.max_rows:
+            return None
+        if self.tiled and fb.forward_mode.is_extend() and not fb.forward_mode.is_verify():
             return None
         backend = fb.attn_backend
         if isinstance(backend, WindowedAttnBackend):  # a sliding window past which a sequence ran

@@ -38,7 +38,7 @@ namespace asyncllm {
 namespace {
 
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
-                      const std::optional<torch::Tensor>& bias) {
+                      const std::optional<torch::Tensor>& bias, int64_t tile_rows) {
   const bool q8 = parts.size() > 1 && parts[0].scalar_type() == torch::kChar;  // Q8_0 codes are int8
   const size_t quant = q8 ? 2 : 3;  // tensors of the quantized form
   TORCH_CHECK(parts.size() == 1 || parts.size() == quant || parts.size() == quant + 1,
@@ -54,6 +54,8 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   }
   if (parts.size() != quant) p.dense = parts.back();
   if (bias.has_value()) p.bias = *bias;
+  p.tile_rows = tile_rows;
+  TORCH_CHECK(tile_rows == 0 || (p.dense.defined() && p.q4_rows == 0), "row tiles take a dense-only projection");
   return p;
 }
 
@@ -70,8 +72,22 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   return stack[0].toTensor();
 }
 
+// BatchInvariantLinear.forward (deterministic inference): the dense weight on whole tiles of
+// `tile_rows` rows, the last one zero-padded, so a row's result does not depend on the batch.
+torch::Tensor tiled_dense(const torch::Tensor& x, const Projection& w) {
+  const int64_t t = x.size(0), rows = w.tile_rows;
+  if (t == rows) return dense_linear(x, w.dense, w.bias);
+  const int64_t pad = (rows - t % rows) % rows;
+  const torch::Tensor padded = pad ? torch::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
+  torch::Tensor out = padded.new_empty({t + pad, w.out_features});
+  for (int64_t start = 0; start < t + pad; start += rows)
+    out.narrow(0, start, rows).copy_(dense_linear(padded.narrow(0, start, rows), w.dense, w.bias));
+  return out.narrow(0, 0, t);
+}
+
 // QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense form.
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
+  if (w.tile_rows > 0) return tiled_dense(x, w);
   if (x.size(0) <= w.q4_rows || !w.dense.defined()) {
     torch::Tensor out = w.q8 ? q8_gemv(x.contiguous(), w.codes, w.scales, true)
                              : q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
@@ -100,7 +116,8 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                              std::vector<torch::Tensor> o, int64_t o_out, torch::Tensor post_norm,
                              std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
                              int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows,
-                             std::vector<std::optional<torch::Tensor>> biases, std::optional<torch::Tensor> qk_norm) {
+                             std::vector<std::optional<torch::Tensor>> biases, std::optional<torch::Tensor> qk_norm,
+                             int64_t tile_rows) {
   TORCH_CHECK(biases.size() == 4, "one bias (or None) per projection: q|k|v, o, gate|up, down");
   TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
   TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
@@ -108,9 +125,10 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                   v_buffer.sizes() == k_buffer.sizes(),
               "KV buffers [S, KVH, D]");
   layers_.push_back(DecodeLayer{input_norm, post_norm, qk_norm.value_or(torch::Tensor()),
-                                projection(qkv, qkv_out, q4_rows, biases[0]), projection(o, o_out, q4_rows, biases[1]),
-                                projection(gate_up, gate_up_out, q4_rows, biases[2]),
-                                projection(down, down_out, q4_rows, biases[3]), k_buffer, v_buffer});
+                                projection(qkv, qkv_out, q4_rows, biases[0], tile_rows),
+                                projection(o, o_out, q4_rows, biases[1], tile_rows),
+                                projection(gate_up, gate_up_out, q4_rows, biases[2], tile_rows),
+                                projection(down, down_out, q4_rows, biases[3], tile_rows), k_buffer, v_buffer});
 }
 
 void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,

@@ -20,6 +20,9 @@ struct Projection {
   torch::Tensor bias;  // undefined: none (Qwen2 has q|k|v biases)
   int64_t out_features;
   int64_t q4_rows;
+  // deterministic inference: the dense weight runs on whole tiles of this many rows, the last
+  // zero-padded (engine/layers/linear.py BatchInvariantLinear); 0: one call over every row
+  int64_t tile_rows = 0;
 };
 
 // One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the torch path's form):
@@ -54,12 +57,12 @@ class DecodeLayers {
   // scales) for a Q8_0 one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
   // tensors); q4_rows bounds the quantized form's inputs.
   // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
-  // layer's q/k norm table, or None.
+  // layer's q/k norm table, or None; tile_rows: every dense projection's row tile (0: none).
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
                  std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
                  int64_t q4_rows, std::vector<std::optional<torch::Tensor>> biases,
-                 std::optional<torch::Tensor> qk_norm);
+                 std::optional<torch::Tensor> qk_norm, int64_t tile_rows);
   // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
   // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
