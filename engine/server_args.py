@@ -65,7 +65,7 @@ class ServerArgs:
     page_size: int = 1
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
-    # Sliding-window models (Mistral, Gemma 2/3, Phi-3...), one rank: the local layers' KV lives in
+    # Sliding-window models (Mistral, Gemma 2/3, Phi-3...): the local layers' KV lives in
     # a SWA pool of its own, `swa_full_tokens_ratio` the size of the full one, and a request gives
     # back the slots its window has left (engine/cache/swa_pool.py). SGLang's flags.
     disable_hybrid_swa_memory: bool = False

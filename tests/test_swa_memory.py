@@ -23,6 +23,7 @@ from transformers import Gemma3TextConfig, MistralConfig
 from engine import Engine, SyncScheduler
 from engine.cache.swa_pool import RELEASE_STRIDE, SWATokenToKVPoolAllocator
 from engine.cache.swa_radix_cache import SWARadixCache, live_prefix_len
+from engine.distributed.driver import TPDriver
 from engine.model_executor.model_runner import ModelRunner
 from engine.recorder.replay import replay
 from engine.sampling import SamplingParams
@@ -253,3 +254,23 @@ async def test_engine_with_overlap_matches_transformers_and_replays(default_toke
     assert state["swa_tokens"] == 360 and state["swa_used_tokens"] is not None
     report = replay(path)
     assert report.divergence is None, report.divergence.describe()
+
+
+def test_tensor_parallel_ranks_replay_the_swa_table(mistral):
+    """TP=2: the worker rank replays rank 0's SWA slots with the table writes; a long prompt and a
+    long generation past the window (releases on rank 0) give transformers' tokens."""
+    folder, hf = mistral
+    args = family_args(folder, tp_size=2, torch_threads=1, chunked_prefill_size=CHUNK, max_total_tokens=800)
+    driver = TPDriver(args)
+    try:
+        runner = driver.load()
+        assert isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+        sched = SyncScheduler(runner, args)
+        prompts = [prompt_of(150, 60), prompt_of(90, 61)]
+        reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=100)) for p in prompts]
+        held = run_tracking_swa(sched)
+        sched.scheduler.check_memory()
+    finally:
+        driver.stop(healthy=True)
+    assert [r.output_ids for r in reqs] == [hf_generate(hf, p, 100) for p in prompts]
+    assert max(held) <= 2 * (WINDOW + RELEASE_STRIDE + CHUNK)

@@ -17,8 +17,9 @@ import torch
 
 from engine.host_memory import zeros_on_huge_pages
 
-# One write to the request table: (row, first position, KV slots), as a worker replays it.
-TableWrite = tuple[int, int, list[int]]
+# One write to the request table: (row, first position, KV slots, their SWA slots: empty without
+# hybrid SWA memory), as a worker replays it.
+TableWrite = tuple[int, int, list[int], list[int]]
 
 
 class ReqToTokenPool:
@@ -56,9 +57,14 @@ class ReqToTokenPool:
         return out
 
     def apply_writes(self, writes: list[TableWrite]) -> None:
-        """Replay rank 0's writes into this copy of the table (the other ranks)."""
-        for idx, start, slots in writes:
+        """Replay rank 0's writes into this copy of the table (the other ranks). With hybrid SWA
+        memory the SWA table too, and the map for the written slots: a forward's own slots are
+        among them, which is all a worker's map is read for (`swa_view`)."""
+        for idx, start, slots, swa in writes:
             self.req_to_token[idx, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            if swa and self.full_to_swa is not None and self.req_to_swa_token is not None:
+                self.req_to_swa_token[idx, start : start + len(swa)] = torch.tensor(swa, dtype=torch.int32)
+                self.full_to_swa[torch.tensor(slots, dtype=torch.int64)] = torch.tensor(swa, dtype=torch.int64)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -76,20 +82,24 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         """Record that positions [start, start+len(slots)) of request row `idx` live in `slots`."""
         self.req_to_token[idx, start : start + len(slots)] = slots.to(torch.int32)
+        swa = None
         if self.full_to_swa is not None:
             swa = self.full_to_swa[slots.to(torch.int64)]
             self.req_to_swa_token[idx, start : start + len(slots)] = swa.to(torch.int32)
         if self._journal is not None:
-            self._journal.append((idx, start, slots.tolist()))
+            self._journal.append((idx, start, slots.tolist(), [] if swa is None else swa.tolist()))
 
     def write_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """One slot per request: position `positions[i]` of row `rows[i]` lives in `slots[i]` (decode)."""
         self.req_to_token[rows, positions] = slots.to(torch.int32)
+        swa: list[int] | None = None
         if self.full_to_swa is not None:
-            self.req_to_swa_token[rows, positions] = self.full_to_swa[slots.to(torch.int64)].to(torch.int32)
+            mapped = self.full_to_swa[slots.to(torch.int64)]
+            self.req_to_swa_token[rows, positions] = mapped.to(torch.int32)
+            swa = mapped.tolist()
         if self._journal is not None:
-            for idx, pos, slot in zip(rows, positions, slots.tolist()):
-                self._journal.append((idx, pos, [slot]))
+            for i, (idx, pos, slot) in enumerate(zip(rows, positions, slots.tolist())):
+                self._journal.append((idx, pos, [slot], [] if swa is None else [swa[i]]))
 
     def clear(self) -> None:
         self._free = list(range(self.size))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -281,12 +282,18 @@ def build_hybrid_memory(
     device: torch.device,
     budget_bytes: int,
     req_to_token_pool: ReqToTokenPool,
+    agree: Callable[[int], int] = lambda n: n,
 ) -> tuple[SWATokenToKVPoolAllocator, KVCache]:
-    """The allocator and the KV buffers of hybrid SWA memory (one rank); the table follows the map."""
+    """The allocator and the KV buffers of hybrid SWA memory; the table follows the map.
+
+    `agree` makes a size the same on every tensor-parallel rank (the smallest): slots are
+    allocated on rank 0 and name the same slot everywhere; a worker rank's allocator only keeps
+    the map its replayed table writes fill (`ReqToTokenPool.apply_writes`)."""
     windows, ps = cfg.layer_windows, args.page_size
     layer_token_bytes = KVCache.bytes_per_token(1, kv_heads, cfg.head_dim, dtype)
     ratio = args.swa_full_tokens_ratio
     full, swa = hybrid_pool_sizes(args.max_total_tokens, budget_bytes, layer_token_bytes, windows, ratio, ps)
+    full, swa = agree(full), agree(swa)
     args.check_pool(min(full, swa) - ps, req_to_token_pool.max_context_len - 1)
     alloc = SWATokenToKVPoolAllocator(full, swa, cfg.max_window, ps, device)
     req_to_token_pool.attach_swa(alloc.full_to_swa)

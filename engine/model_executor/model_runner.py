@@ -123,9 +123,8 @@ class ModelRunner(RunnerWeights):
             and not (cfg.layer_windows or cfg.attn_logit_softcap is not None or cfg.moe_layers)
             and cuda_graphs_apply(self.device, self.attn_backend_name, args.disable_cuda_graph)
         )
-        # Hybrid SWA memory (engine/cache/swa_pool.py): one rank only, for now (the other ranks
-        # replay the full table's writes, not the SWA one's).
-        self.swa_memory = bool(cfg.layer_windows) and not args.disable_hybrid_swa_memory and self.tp.size == 1
+        # Hybrid SWA memory (engine/cache/swa_pool.py): the local layers' KV in a pool of its own.
+        self.swa_memory = bool(cfg.layer_windows) and not args.disable_hybrid_swa_memory
         self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
         self.shard = shard = self.model.shard
         self.lora = LoRAManager.build(args, cfg, self.device, self.dtype, shard)  # None: LoRA off
@@ -263,8 +262,9 @@ class ModelRunner(RunnerWeights):
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, self.device)
         if self.swa_memory:  # the local layers' KV in a pool of its own
             self.token_to_kv_pool_allocator, self.kv_cache = build_hybrid_memory(
-                args, cfg, kv_heads, self.dtype, self.device, int(free_bytes * mem_fraction), self.req_to_token_pool
-            )
+                args, cfg, kv_heads, self.dtype, self.device, int(free_bytes * mem_fraction), self.req_to_token_pool,
+                lambda n: min(self.tp.all_gather_object(n)),
+            )  # fmt: skip
             return
         size = kv_pool_size_from_budget(args.max_total_tokens, mem_fraction, per_token, args.page_size, free_bytes)
         # Slots are allocated on rank 0 and name the same slot on every rank: one size for all.
