@@ -125,10 +125,8 @@ class SWATokenToKVPoolAllocator:
         self.full_to_swa[full] = swa
         return full
 
-    def free_extend(self, slots: torch.Tensor, prefix_len: int) -> None:
-        skip = (-prefix_len) % self.page_size
-        if len(slots) > skip:
-            self.free(slots[skip:])
+    # the plain allocator's: it frees through `self.free`, which here frees both slots
+    free_extend = TokenToKVPoolAllocator.free_extend
 
     def _page_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Every slot of the pages `slots` touch (the unit both allocators free)."""
@@ -224,15 +222,14 @@ def release_out_of_window(
     pool: ReqToTokenPool,
     alloc: SWATokenToKVPoolAllocator,
     cache: PathLocks,
-    window: int,
 ) -> int:
     """Release the SWA slots of the positions each request's window has left; returns how many.
 
     Releases whole pages, at least `RELEASE_STRIDE` positions at a time, from `swa_released_len`
     (positions below it are released already, or shared with others when this request passed
-    them) up to `kv_computed_len - window` (see the module docstring for why that is safe).
+    them) up to `kv_computed_len - alloc.window` (see the module docstring for why that is safe).
     """
-    ps = alloc.page_size
+    ps, window = alloc.page_size, alloc.window
     stride = max(RELEASE_STRIDE, ps)
     freed = 0
     for req in reqs:

@@ -214,7 +214,7 @@ def make_header(args: ServerArgs, runner: ModelRunner, enable_overlap: bool, thr
     """The recording's header: the options and memory shape replay rebuilds the scheduler from."""
     cfg = runner.model_config
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    full, swa = (alloc.full, alloc.swa) if isinstance(alloc, SWATokenToKVPoolAllocator) else (alloc, None)
+    hybrid = alloc if isinstance(alloc, SWATokenToKVPoolAllocator) else None
     return Header(
         format_version=FORMAT_VERSION,
         build=_build(),
@@ -225,13 +225,13 @@ def make_header(args: ServerArgs, runner: ModelRunner, enable_overlap: bool, thr
         eos_token_ids=sorted(cfg.eos_token_ids),
         req_pool_rows=pool.size,
         req_pool_width=pool.max_context_len,
-        kv_pool_slots=full.num_pages * alloc.page_size,
+        kv_pool_slots=(hybrid.full if hybrid is not None else alloc).num_pages * alloc.page_size,
         page_size=alloc.page_size,
         enable_overlap=enable_overlap,
         torch_threads=threads,
         prompts_recorded=args.flight_recorder_record_prompts,
-        swa_pool_slots=swa.num_pages * alloc.page_size if swa is not None else 0,
-        swa_window=alloc.window if isinstance(alloc, SWATokenToKVPoolAllocator) else 0,
+        swa_pool_slots=hybrid.swa.num_pages * alloc.page_size if hybrid is not None else 0,
+        swa_window=hybrid.window if hybrid is not None else 0,
     )
 
 

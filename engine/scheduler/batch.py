@@ -128,7 +128,7 @@ class ScheduleBatch:
         alloc = self.token_to_kv_pool_allocator
         if isinstance(alloc, SWATokenToKVPoolAllocator):
             assert self.tree_cache is not None
-            release_out_of_window(self.reqs, self.req_to_token_pool, alloc, self.tree_cache, alloc.window)
+            release_out_of_window(self.reqs, self.req_to_token_pool, alloc, self.tree_cache)
 
     # ---- decode -------------------------------------------------------------------------------
 
