@@ -92,7 +92,7 @@ def test_fused_path_only_where_it_applies(default_source):
 def test_a_projection_without_a_dense_form_bounds_the_fused_rows(default_source, monkeypatch):
     import engine.layers.linear as linear
 
-    monkeypatch.setattr(linear, "onednn_prepack_available", lambda: False)  # big forms stay F.linear
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)  # big forms stay F.linear
     fused = _runner(default_source).model.fused_decode
     assert fused is not None and fused.max_rows == 4
     assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None  # nothing it can run

@@ -30,7 +30,7 @@ from engine import ContextLengthExceededError, SyncScheduler
 from engine.distributed.driver import TPDriver
 from engine.errors import ModelLoadError
 from engine.kernels import cpu_quant
-from engine.layers.linear import OneDNNLinear, onednn_prepack_available
+from engine.layers.linear import OneDNNLinear, onednn_bf16_available
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import SUPPORTED_ARCHITECTURES, resolve_model
 from engine.sampling import SamplingParams
@@ -214,7 +214,7 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
     model = runner.model
     if cpu_quant.vectorized():
         assert (model.fused_decode is not None) == fused_loop, name
-    if onednn_prepack_available():
+    if onednn_bf16_available():
         assert isinstance(model.layers[0].self_attn.qkv_proj, OneDNNLinear)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 37, 12, 60, 20, 90)]

@@ -29,7 +29,7 @@ from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.req import Req
-from engine.server_args import ServerArgs
+from engine.server_args import ServerArgs, cpu_has_native_bf16
 from server.cli import parse_args
 from tests.sched_harness import make_tiny_llama
 
@@ -220,9 +220,11 @@ def test_packed_path_off_where_it_must_be(default_source, tmp_path):
     tiny = _runner(resolve_model(str(folder)), dtype="bfloat16", q4_max_tokens=8)
     assert _packed_count(tiny) == 0
     # The default is measured at start-up (None); an explicit value overrides it; 0 where it cannot apply.
+    bf16 = {"dtype": "bfloat16"}  # dtype "auto" is float32 on a CPU without native bf16 (AVX2 only)
     cases = (
-        ({}, None),
-        ({"q4_max_tokens": 16}, 16),
+        (bf16, None),
+        ({}, None if cpu_has_native_bf16() else 0),
+        ({**bf16, "q4_max_tokens": 16}, 16),
         ({"dtype": "float32"}, 0),
         ({"device": "cuda"}, 0),
         ({"device": "cuda", "q4_max_tokens": 16}, 0),
@@ -279,7 +281,7 @@ def test_cli_flag():
         parse_args(["--q4-max-tokens", "-1"])
 
 
-@pytest.mark.skipif(not linear.onednn_prepack_available(), reason="this torch build has no oneDNN")
+@pytest.mark.skipif(not linear.onednn_bf16_available(), reason="no oneDNN bf16 in this torch build or on this CPU")
 def test_onednn_prepacked_weight_is_bit_identical_to_f_linear():
     """Prepacking only moves the reorder out of the call: same oneDNN kernel, same bits, for any
     row count (decode batches and prefills), with and without bias, and for the LM head shape."""
@@ -296,6 +298,7 @@ def test_onednn_prepacked_weight_is_bit_identical_to_f_linear():
     assert OneDNNLinear.from_dense(_dense(torch.randn(32, 64), None)) is None  # fp32 keeps F.linear (the reference)
 
 
+@pytest.mark.skipif(not linear.onednn_bf16_available(), reason="no oneDNN bf16 in this torch build or on this CPU")
 def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
     packed, dense = bf16_runners
     layer = packed.model.layers[0]

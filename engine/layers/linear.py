@@ -24,6 +24,7 @@ except where the dense weight is shared, as a tied LM head shares the embedding 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +44,15 @@ def onednn_prepack_available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN's bf16 prepacked linear runs on this CPU: it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT, and on a CPU without them (AVX2 only: e.g. AMD Zen 3) prepacking raises, so
+    a bf16 projection keeps `F.linear` there."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_prepack_available() and supported is not None and bool(supported())
 
 
 class DenseLinear(nn.Module):
@@ -97,7 +107,7 @@ class OneDNNLinear(nn.Module):
         """The prepacked form of a bf16 CPU `dense`, or None where prepacking does not apply (fp32
         keeps `F.linear`: another BLAS, whose summation order the reference path relies on)."""
         weight = dense.weight
-        if not (onednn_prepack_available() and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+        if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16_available()):
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
         return cls(packed, dense.bias, dense.in_features, dense.output_sizes)
