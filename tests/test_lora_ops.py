@@ -11,6 +11,7 @@ import torch
 from engine.lora import BASE_SLOT, LoRABatchInfo, LoRAError, LoRAPool, apply_lora, load_adapter
 from engine.lora.projections import PROJECTIONS
 from tests.lora_fixtures import LLAMA_ADAPTERS, build_set, llama_base, mixed_batch, peft_delta, projection_inputs
+from tests.lora_random import random_adapter, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +153,40 @@ def test_bf16_close_to_fp32(llama_set, adapters, kernel, rows):
             info = mixed_batch(names, pools[torch.bfloat16], rows)
             out = apply_lora(x.to(torch.bfloat16), base.clone(), layer, projection, info)
             assert torch.equal(out[base_rows], base[base_rows])
+
+
+def test_cpu_kernel_odd_shapes_and_row_blocks():
+    """The C++ kernel's packed pairs (csrc/cpu_lora.cpp) on odd shapes: odd input widths (the last
+    pair half padding), odd ranks (a rank pair straddling two parts of q|k|v), output widths that
+    are not a multiple of 16 (the scalar tail), ranks that pad to 16. Against torch ops in bf16
+    (the same roundings, another summation order: within an ulp or two of the largest delta) and
+    in fp32 (within bf16 rounding of the shrink). A row's delta has the same bits whether or not
+    its adapter's other rows share its block."""
+    cfg = tiny_config(hidden_size=15, num_heads=5, num_kv_heads=1, head_dim=3, intermediate_size=21, num_layers=1)
+    pools = {
+        key: LoRAPool(cfg, max_loras_per_batch=2, max_lora_rank=3, dtype=key[0], kernel=key[1])
+        for key in ((torch.float32, "torch"), (torch.bfloat16, "torch"), (torch.bfloat16, "cpu"))
+    }
+    for seed, name in enumerate(("a", "b")):
+        adapter = random_adapter(cfg, 3, seed=seed, scaling=0.25)
+        for pool in pools.values():
+            pool.load(name, adapter)
+    gen = torch.Generator().manual_seed(11)
+    rows, names = [5, 1, 11], ["a", None, "b"]
+    xs = projection_inputs(cfg, sum(rows), gen)
+    for projection in PROJECTIONS:
+        x = xs[projection].to(torch.bfloat16)
+        out_f = sum(pools[torch.float32, "torch"].weights(0, projection).out_sizes)
+        outs = {}
+        for (dtype, kernel), pool in pools.items():
+            info = mixed_batch(names, pool, rows)
+            zeros = torch.zeros(sum(rows), out_f, dtype=dtype)
+            outs[kernel, dtype] = apply_lora(x.to(dtype), zeros, 0, projection, info).float()
+        ours, largest = outs["cpu", torch.bfloat16], outs["torch", torch.float32].abs().amax()
+        assert largest > 1.0  # the deltas are not all zero
+        torch.testing.assert_close(ours, outs["torch", torch.bfloat16], rtol=0, atol=float(largest) / 64)
+        torch.testing.assert_close(ours, outs["torch", torch.float32], rtol=0, atol=float(largest) / 16)
+        # the last row of "b" alone in its block: the same bits as among the other ten
+        single = mixed_batch(["b"], pools[torch.bfloat16, "cpu"], [1])
+        alone = apply_lora(x[-1:], torch.zeros(1, out_f, dtype=torch.bfloat16), 0, projection, single)
+        assert torch.equal(alone.float(), ours[-1:])

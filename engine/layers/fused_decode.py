@@ -194,5 +194,5 @@ def _add_lora(native: Any, pool: LoRAPool) -> bool:
         return False
     for (layer, projection), w in pool.buffers.items():
         index = tuple(PROJECTIONS).index(projection)
-        native.set_lora(layer, index, w.a, w.bt, w.scaling, list(w.out_sizes), w.max_rank)
+        native.set_lora(layer, index, w.a_pairs, w.bt_pairs, w.scaling, list(w.out_sizes), w.max_rank)
     return True

@@ -42,7 +42,7 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, layer: int, projection: str, 
         raise ValueError(f"LoRA batch info is for {info.num_rows} rows; x has {x.shape[0]}, out {out.shape[0]}")
     if info.pool.kernel == "cpu":  # bf16 on a CPU: csrc/cpu_lora.cpp, as the fused layer loop runs it
         native = cpu_extension.module_or_raise()
-        return native.lora_add_(x, out, w.a, w.bt, w.scaling, list(w.out_sizes), w.max_rank, info.row_slots)
+        return native.lora_add_(x, out, w.a_pairs, w.bt_pairs, w.scaling, list(w.out_sizes), w.max_rank, info.row_slots)
     if info.pool.kernel == "triton":
         from engine.lora import triton_ops  # the GPU path only: see the module docstring
 

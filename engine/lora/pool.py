@@ -11,11 +11,15 @@ forward uses must sit in a slot of buffers that one kernel indexes by slot. Per 
 - `scaling`: `[slots, parts * R]` float32, per rank column (0 in the padding): the parts of a
   fused projection may have different scalings (`rank_pattern` / `alpha_pattern`), and applying
   it to the shrink's output keeps it out of the weights;
-- `bt` (the torch and C++ paths): `[slots, parts * R, out]`, B transposed and block-diagonal, so
-  a segment's expand is one matmul added into the output in place (the C++ loop reads part p's
-  diagonal block only). On a CPU a LoRA forward's cost
+- `bt` (the torch path): `[slots, parts * R, out]`, B transposed and block-diagonal, so a
+  segment's expand is one matmul added into the output in place. On a CPU a LoRA forward's cost
   is the number of small ops (about 40% of a decode step with one op per part), not the zero
-  blocks' flops.
+  blocks' flops;
+- `a_pairs` / `bt_pairs` (the C++ path, csrc/cpu_lora.cpp): the same A and block-diagonal Bt as
+  bf16 pairs along the summed dimension, `[slots, ceil(in / 2), ranks, 2]` and
+  `[slots, ranks / 2, out, 2]` with `ranks` = parts * R rounded up to 16 (zeros in the padding),
+  so one vector load feeds a dot-product-of-pairs instruction (`pack_pairs` writes them from `a`
+  and `b` when a slot is loaded).
 
 A part the adapter does not adapt holds zeros (its delta is 0); `active` lists, per buffer, the
 slots holding something, so the torch path can skip the rest.
@@ -56,6 +60,8 @@ class LoRAWeights:
     part_table: torch.Tensor  # [2, parts] int32 on the device: out_starts, out_sizes (the kernels')
     active: set[int] = field(default_factory=set)  # slots that adapt this projection in this layer
     bt: torch.Tensor | None = None  # [slots, parts * max_rank, out]: the torch path's expand
+    a_pairs: torch.Tensor | None = None  # [slots, ceil(in / 2), ranks, 2]: the C++ path's shrink
+    bt_pairs: torch.Tensor | None = None  # [slots, ranks / 2, out, 2]: the C++ path's expand
 
     @property
     def out_starts(self) -> tuple[int, ...]:
@@ -64,10 +70,26 @@ class LoRAWeights:
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-        if self.bt is not None:
-            self.bt[slot].zero_()
+        for packed in (self.bt, self.a_pairs, self.bt_pairs):
+            if packed is not None:
+                packed[slot].zero_()
         self.scaling[slot].zero_()
         self.active.discard(slot)
+
+    def pack_pairs(self, slot: int) -> None:
+        """Write slot's `a_pairs` / `bt_pairs` from its `a` and `b` (the C++ path's layout)."""
+        if self.a_pairs is None or self.bt_pairs is None:
+            return
+        pairs, ranks = self.a_pairs.shape[1], self.a_pairs.shape[2]
+        used, in_f = self.a.shape[1], self.a.shape[2]
+        a = self.a.new_zeros(ranks, 2 * pairs)
+        a[:used, :in_f] = self.a[slot]
+        self.a_pairs[slot] = a.view(ranks, pairs, 2).transpose(0, 1)
+        bt = self.a.new_zeros(ranks, self.bt_pairs.shape[2])
+        r = self.max_rank
+        for p, (first, n) in enumerate(zip(self.out_starts, self.out_sizes)):
+            bt[p * r : (p + 1) * r, first : first + n] = self.b[slot, first : first + n].T
+        self.bt_pairs[slot] = bt.view(ranks // 2, 2, -1).transpose(1, 2)
 
 
 KERNELS = ("torch", "cpu", "triton")
@@ -101,6 +123,15 @@ def resolve_target_modules(names: Iterable[str] | None) -> frozenset[str]:
             supported = ", ".join((*MODULES, *FUSED_MODULES, "all"))
             raise LoRAError(f"unknown LoRA target module {name!r} (supported: {supported})", "lora_target_modules")
     return frozenset(out)
+
+
+def _pair_buffers(slots: int, in_f: int, used: int, out: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The C++ path's zeroed `a_pairs` and `bt_pairs` (module docstring)."""
+    ranks = -(-used // 16) * 16
+    return {
+        "a_pairs": torch.zeros(slots, (in_f + 1) // 2, ranks, 2, dtype=dtype),
+        "bt_pairs": torch.zeros(slots, ranks // 2, out, 2, dtype=dtype),
+    }
 
 
 class LoRAPool:
@@ -150,8 +181,9 @@ class LoRAPool:
                         self.device
                     ),
                     bt=torch.zeros(s, n * r, sum(sizes), device=self.device, dtype=dtype)
-                    if self.kernel in ("torch", "cpu")
+                    if self.kernel == "torch"
                     else None,
+                    **(_pair_buffers(s, in_f, n * r, sum(sizes), dtype) if self.kernel == "cpu" else {}),
                 )
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, least recent first
         self._adapters: dict[str, LoRAAdapter] = {}
@@ -270,6 +302,7 @@ class LoRAPool:
         """Copy this rank's shard of every module of `adapter` (registered as `name`) into `slot`
         (the slot is all zeros)."""
         r = self.max_lora_rank
+        written: set[tuple[int, str]] = set()
         for (layer, module), m in adapter.modules.items():
             projection, part = projection_of(module)
             w = self.buffers[(layer, projection)]
@@ -286,3 +319,6 @@ class LoRAPool:
                 w.bt[slot, part * r : part * r + m.rank, first : first + rows].copy_(b.T)
             w.scaling[slot, part * r : part * r + m.rank] = m.scaling
             w.active.add(slot)
+            written.add((layer, projection))
+        for key in written:
+            self.buffers[key].pack_pairs(slot)

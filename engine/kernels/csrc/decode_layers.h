@@ -25,9 +25,10 @@ struct Projection {
   int64_t tile_rows = 0;
 };
 
-// One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the torch path's form):
-// A [slots, P*R, in] and Bt [slots, P*R, out] (block-diagonal: part p's columns take rank block
-// p only) in the model's dtype, the scaling [slots, P*R] fp32; undefined a: the projection has none.
+// One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the C++ path's form):
+// A as bf16 pairs [slots, in/2, ranks, 2] and the block-diagonal Bt as [slots, ranks/2, out, 2]
+// (part p's columns take rank block p only; ranks = P*R rounded up to 16, zeros in the padding),
+// the scaling [slots, P*R] fp32; undefined a: the projection has none.
 struct LoRAProjection {
   torch::Tensor a, bt, scaling;
   std::vector<int64_t> part_sizes;  // output columns of each part (q/k/v, gate/up, or one)

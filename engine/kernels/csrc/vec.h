@@ -110,6 +110,18 @@ inline void store16(const v16f& v, c10::BFloat16* o) {
   const __m256bh h = _mm512_cvtneps_pbh((__m512)v);  // round to nearest even, one instruction
   std::memcpy(o, &h, sizeof(h));
 }
+#else
+// c10's round-to-nearest-even (NaN to the quiet NaN 0x7fc0) on all lanes at once: the per-lane
+// conversion cost more than the arithmetic in loops that store often (cpu_lora.cpp's expand).
+template <>
+inline void store16(const v16f& v, c10::BFloat16* o) {
+  v16u u;
+  std::memcpy(&u, &v, sizeof(u));
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const v16u nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const v16h h = __builtin_convertvector(nan ? v16u{} + 0x7fc0u : rounded, v16h);
+  std::memcpy(o, &h, sizeof(h));
+}
 #endif
 
 }  // namespace asyncllm
