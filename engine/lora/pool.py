@@ -18,8 +18,8 @@ forward uses must sit in a slot of buffers that one kernel indexes by slot. Per 
 - `a_pairs` / `bt_pairs` (the C++ path, csrc/cpu_lora.cpp): the same A and block-diagonal Bt as
   bf16 pairs along the summed dimension, `[slots, ceil(in / 2), ranks, 2]` and
   `[slots, ranks / 2, out, 2]` with `ranks` = parts * R rounded up to 16 (zeros in the padding),
-  so one vector load feeds a dot-product-of-pairs instruction (`pack_pairs` writes them from `a`
-  and `b` when a slot is loaded).
+  so one vector load holds two summed-over values for a vector of outputs (`pack_pairs` writes
+  them from `a` and `b` when a slot is loaded).
 
 A part the adapter does not adapt holds zeros (its delta is 0); `active` lists, per buffer, the
 slots holding something, so the torch path can skip the rest.
