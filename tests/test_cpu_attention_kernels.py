@@ -105,6 +105,31 @@ def test_extend_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(out[last].float(), dec.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_extend_token_is_the_same_bits_wherever_its_chunk_starts(dtype, heads, kv_heads, head_dim):
+    """A prompt token's output depends on its position and keys only, not on which extend it was
+    in: prefilled whole, or in a chunk that starts at any offset from a 16-token block (chunked
+    prefill beside other requests splits a prompt so). Deterministic inference rests on it."""
+    gen = torch.Generator().manual_seed(head_dim)
+    n, pool = 48, 200
+    slots = torch.randperm(pool, generator=gen)[:n][None]
+    kb = (torch.randn(pool, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(n, heads, head_dim, generator=gen) * 2).to(dtype)
+    scale = head_dim**-0.5
+
+    def extend(start: int, count: int) -> torch.Tensor:
+        lens = torch.tensor([start]), torch.tensor([count])
+        return kernel.extend_attention(q[start : start + count].contiguous(), kb, vb, slots, *lens, scale)
+
+    whole = extend(0, n)
+    for start in range(1, 18):
+        chunk = extend(start, 32 - start)
+        differ = [start + i for i in range(32 - start) if not torch.equal(chunk[i], whole[start + i])]
+        assert not differ, (start, differ)
+
+
 def test_extend_kernel_rejects_bad_inputs():
     kb = torch.zeros(10, 1, 64)
     slots = torch.zeros(2, 4, dtype=torch.int64)

@@ -1,12 +1,13 @@
 """Deterministic inference (`--enable-deterministic-inference`, issue 35): batch invariance.
 
 The default model in bf16 (the path whose kernels change with the batch: oneDNN GEMMs, the 4-bit
-kernel, cascade attention). One target request's logits rows (those its tokens were sampled from)
-must be bit-identical alone, inside batches of 4, 16 and 64 mixed requests (joining at start and
-mid-run), with its prompt prefilled in 16-token chunks (alone and in a batch), and with its prefix
-served by the radix cache. Seeded sampling gives the same tokens in a batch as alone. The fixed
-row tiles themselves: a row's result is the same bits at any batch size and position. Decode steps
-take the fused C++ layer loop on the same tiles: the same bits as the Python layers.
+kernel, cascade attention), and in fp32 with chunked prefill beside other requests. One target
+request's logits rows (those its tokens were sampled from) must be bit-identical alone, inside
+batches of 4, 16 and 64 mixed requests (joining at start and mid-run), with its prompt prefilled
+in 16-token chunks (alone and in a batch), and with its prefix served by the radix cache. Seeded
+sampling gives the same tokens in a batch as alone. The fixed row tiles themselves: a row's result
+is the same bits at any batch size and position. Decode steps take the fused C++ layer loop on the
+same tiles: the same bits as the Python layers.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class LogitsTap(SyncScheduler):
         return msg
 
 
-def _runner(default_source, deterministic: bool, chunk: int | None) -> ModelRunner:
+def _runner(default_source, deterministic: bool, chunk: int | None, dtype: str = "bfloat16") -> ModelRunner:
     args = ServerArgs(
-        dtype="bfloat16",
+        dtype=dtype,
         device="cpu",
         max_total_tokens=16384,
         max_running_requests=64,
@@ -174,6 +175,19 @@ def test_logits_are_bit_identical_in_any_batch_chunking_and_radix_state(determin
     for scenario in (dict(), dict(others=8, join_at=2)):
         ids, rows, _ = _target_rows(chunked, **scenario)
         assert ids == base_ids and all(torch.equal(a, b) for a, b in zip(rows, base_rows)), ("chunked", scenario)
+
+
+def test_float32_chunked_prefill_in_a_batch_gives_the_same_bits(default_source):
+    """float32 (what `dtype auto` gives on CPUs without native bf16): the target's prompt in
+    16-token chunks beside 8 others that shift its chunk boundaries, against it alone, unchunked.
+    bf16 rounding can hide an ulp that fp32 shows (the attention kernel's fused multiply-adds did)."""
+    alone = _runner(default_source, True, None, dtype="float32")
+    base_ids, base_rows, _ = _target_rows(alone)
+    del alone
+    chunked = _runner(default_source, True, 16, dtype="float32")
+    ids, rows, _ = _target_rows(chunked, others=8, join_at=2)
+    assert ids == base_ids
+    assert [i for i, (a, b) in enumerate(zip(rows, base_rows)) if not torch.equal(a, b)] == []
 
 
 def test_seeded_sampling_gives_the_same_tokens_in_a_batch(deterministic):

@@ -31,6 +31,11 @@
 #include <optional>
 #include <vector>
 
+// No fused multiply-adds in this file: with GCC's default contraction the compiler fuses `x * y + z`
+// where it sees fit, and two inlined copies of one loop fused differently, so a prompt token's
+// attention output changed (by an ulp in fp32) with where its prefill chunk started: deterministic
+// inference was not batch-invariant. What unfused products cost: docs/PERFORMANCE.md.
+#pragma GCC optimize("fp-contract=off")
 #include "attention.h"
 
 using namespace asyncllm;
