@@ -37,6 +37,10 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_prestart_worker_first_driver": "0",  # no idle workers competing for the 2 cores
     "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+    # Ray's memory monitor kills actors once the node's memory is 95% used, and under `make test`
+    # the other worker's servers share this small machine's memory: it killed both replicas
+    # mid-start. The kernel's OOM killer still guards the machine.
+    "RAY_memory_monitor_refresh_ms": "0",
 }
 
 
