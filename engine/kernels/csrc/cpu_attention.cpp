@@ -9,16 +9,17 @@
 //
 // extend_attention: the new tokens of prefill/extend requests, causal over prefix + themselves
 // (their own K/V are already in the pool). Tasks are (request, KV head, block of 16 queries); each
-// K/V block is converted once and used by all 16 x G query rows. torch's CPU flash SDPA reached
-// 40-110 GFLOP/s on these shapes (9 heads of 64, a few hundred tokens).
+// block of K/V rows is read by all 16 x G query rows while it sits in L1. torch's CPU flash SDPA
+// reached 40-110 GFLOP/s on these shapes (9 heads of 64, a few hundred tokens).
 //
 // Layout: q [T, H, D]; k_buf/v_buf [S, KVH, D] (one layer of the pool); slots [R, L] int64 (row r
 // holds request r's slot ids). decode also returns lse [B, H] fp32 (natural-log sum of exp of the
 // scaled scores), so callers can merge it with attention over other keys (cascade attention).
 // Grouped-query heads share each K/V row load.
 //
-// Vectors use GCC's vector extensions (16 floats), so -march=native picks the machine's widest
-// registers (AVX-512 here) without intrinsics; D must be a multiple of 16 (64 and 128 are built).
+// Vectors are the machine's own width (vec_native.h: 16 fp32 lanes with AVX-512, 8 with AVX2), and
+// K/V rows are read in place, bf16 widened as loaded; D must be a multiple of 16 (64 and 128 are
+// built).
 //
 // This file holds the entry points (argument checks) and the fp32-FMA kernels, used for fp32 and
 // for bf16 on CPUs without AVX512-BF16; cpu_attention_bf16.cpp has the faster bf16 kernels.
@@ -31,70 +32,88 @@
 #include <optional>
 #include <vector>
 
-// No fused multiply-adds in this file: with GCC's default contraction the compiler fuses `x * y + z`
-// where it sees fit, and two inlined copies of one loop fused differently, so a prompt token's
-// attention output changed (by an ulp in fp32) with where its prefill chunk started: deterministic
-// inference was not batch-invariant. What unfused products cost: docs/PERFORMANCE.md.
+// No implicit fused multiply-adds in this file: with GCC's default contraction the compiler fuses
+// `x * y + z` where it sees fit, and two inlined copies of one loop fused differently, so a prompt
+// token's attention output changed (by an ulp in fp32) with where its prefill chunk started:
+// deterministic inference was not batch-invariant. The hot products fuse explicitly (fmadd).
 #pragma GCC optimize("fp-contract=off")
 #include "attention.h"
+#include "vec_native.h"
 
-using namespace asyncllm;
+using namespace asyncllm::native;
+using asyncllm::kPrefetch;
+using asyncllm::prefetch_l2;
 
 namespace {
 
+constexpr int kKeys = kWidth;  // keys per block: one vector of scores per query row
+constexpr int64_t kQueries = 16;  // an extend task's block of queries (all share each key block)
+
+// The scores of keys krow[0 .. N) for one query row, as a pairwise tree evaluated depth first
+// (a few vectors live at a time, not N): lane t of the kKeys-key result holds key t's score.
+template <int N, int NV, typename T>
+inline vf score_tree(const vf* q, const T* const* krow) {
+  if constexpr (N == 1) {
+    // Two chains (even and odd vectors): half the sequential rounding of one, and two FMAs in flight.
+    static_assert(NV % 2 == 0, "head_dim a multiple of 2 vectors");
+    const T* k = krow[0];
+    vf a = q[0] * load(k), b = q[1] * load(k + kWidth);
+    for (int j = 2; j < NV; j += 2) {
+      a = fmadd(q[j], load(k + kWidth * j), a);
+      b = fmadd(q[j + 1], load(k + kWidth * (j + 1)), b);
+    }
+    return a + b;
+  } else {
+    return pair_sums(score_tree<N / 2, NV>(q, krow), score_tree<N / 2, NV>(q, krow + N / 2));
+  }
+}
+
+// One query row (one token, one head) across key blocks: the online softmax.
 template <int NV>
 struct RowState {
-  v16f acc[NV];
+  vf acc[NV];
   float run_max, run_sum;
 };
 
-// One 16-key block for one query row: scores (masked to `valid`), online-softmax update, P @ V.
 template <int NV>
-inline void attend_block(const v16f* qrow, const v16f* kf, const v16f* vf, v16i valid, int cnt, RowState<NV>& st,
-                         v16f* partial) {
-  for (int t = 0; t < kBlock; ++t) {
-    v16f a = qrow[0] * kf[t * NV];
-    for (int j = 1; j < NV; ++j) a += qrow[j] * kf[t * NV + j];
-    partial[t] = a;
-  }
-  v16f s = transpose_sum16(partial);
-  s = valid ? s : splat(-std::numeric_limits<float>::infinity());
+inline void init_row(RowState<NV>& st) {
+  for (int j = 0; j < NV; ++j) st.acc[j] = broadcast(0.0f);
+  st.run_max = -std::numeric_limits<float>::infinity();
+  st.run_sum = 0.0f;
+}
+
+// One block of keys for one query row: scores, the online-softmax update, P @ V. krow/vrow: the
+// block's K and V rows, read in place; only the first `cnt` count (the rest repeat a real row).
+template <int NV, typename T>
+inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow, int cnt, RowState<NV>& st) {
+  const vi valid = lanes_below(cnt);
+  vf s = score_tree<kKeys, NV>(q, krow);
+  s = valid ? s : broadcast(-std::numeric_limits<float>::infinity());
   const float new_max = std::max(st.run_max, hmax(s));
   const float alpha = std::exp(st.run_max - new_max);
-  v16f p = exp_nonpos(s - new_max);
-  p = valid ? p : splat(0.0f);
+  vf p = exp_nonpos(s - new_max);
+  p = valid ? p : broadcast(0.0f);
   st.run_sum = st.run_sum * alpha + hsum(p);
   st.run_max = new_max;
-  v16f a[NV];
+  vf a[NV];
   for (int j = 0; j < NV; ++j) a[j] = st.acc[j] * alpha;
   for (int t = 0; t < cnt; ++t) {
-    const v16f w = splat(p[t]);
-    for (int j = 0; j < NV; ++j) a[j] += w * vf[t * NV + j];
+    const vf w = broadcast(p[t]);
+    const T* v = vrow[t];
+    for (int j = 0; j < NV; ++j) a[j] = fmadd(w, load(v + kWidth * j), a[j]);
   }
   for (int j = 0; j < NV; ++j) st.acc[j] = a[j];
 }
 
-// Rows sl[0..cnt) of one KV head (elements at `head_off` within each slot row) converted to fp32
-// into kf/vf ([kBlock][NV] vectors), zero past cnt.
-template <int NV, typename T>
-inline void load_kv_block(const T* kb, const T* vb, const int64_t* sl, int cnt, int64_t row, int64_t head_off,
-                          v16f* kf, v16f* vf) {
-  for (int t = 0; t < cnt; ++t) {
-    const int64_t off = sl[t] * row + head_off;
-    for (int j = 0; j < NV; ++j) {
-      kf[t * NV + j] = load16(kb + off + 16 * j);
-      vf[t * NV + j] = load16(vb + off + 16 * j);
-    }
+// The K/V row pointers of one KV head for slots sl[0 .. cnt), padded to a whole block with the first.
+template <typename T>
+inline void block_rows(const T* kb, const T* vb, const int64_t* sl, int cnt, int64_t row, int64_t head_off,
+                       const T** krow, const T** vrow) {
+  for (int t = 0; t < kKeys; ++t) {
+    const int64_t off = sl[t < cnt ? t : 0] * row + head_off;
+    krow[t] = kb + off;
+    vrow[t] = vb + off;
   }
-  for (int t = cnt; t < kBlock; ++t)
-    for (int j = 0; j < NV; ++j) kf[t * NV + j] = vf[t * NV + j] = splat(0.0f);
-}
-
-template <int NV>
-inline void init_row(RowState<NV>& st) {
-  for (int j = 0; j < NV; ++j) st.acc[j] = splat(0.0f);
-  st.run_max = -std::numeric_limits<float>::infinity();
-  st.run_sum = 0.0f;
 }
 
 // The normalised output row; returns the row's log-sum-exp.
@@ -102,39 +121,37 @@ template <int NV, typename T>
 inline float store_row(const RowState<NV>& st, T* o) {
   const float inv = 1.0f / st.run_sum;
   for (int j = 0; j < NV; ++j) {
-    v16f v = st.acc[j] * inv;
-    for (int i = 0; i < 16; ++i) o[16 * j + i] = static_cast<T>(v[i]);
+    const vf v = st.acc[j] * inv;
+    for (int i = 0; i < kWidth; ++i) o[kWidth * j + i] = static_cast<T>(v[i]);
   }
   return st.run_max + std::log(st.run_sum);
 }
 
-
 template <int NV, typename T>
 void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, const int64_t* lens, T* out,
                    float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
-  constexpr int64_t D = NV * 16;
+  constexpr int64_t D = NV * kWidth;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // elements between consecutive slots of the pool
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(G * NV);
+    std::vector<vf> qv(G * NV);
     std::vector<RowState<NV>> st(G);
-    // One block of K and V rows converted to fp32 once, then read by every query head of the group.
-    std::vector<v16f> kf(kBlock * NV), vf(kBlock * NV);
-    v16f partial[kBlock];
+    const T* krow[kKeys];
+    const T* vrow[kKeys];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kh = task % KVH, n = lens[b];
       const int64_t* sl = slots + b * max_len;
       for (int64_t g = 0; g < G; ++g) {
         const T* qg = q + (b * H + kh * G + g) * D;
-        for (int j = 0; j < NV; ++j) qv[g * NV + j] = load16(qg + 16 * j) * scale;
+        for (int j = 0; j < NV; ++j) qv[g * NV + j] = load(qg + kWidth * j) * scale;
         init_row(st[g]);
       }
-      for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
-        const int cnt = static_cast<int>(n - t0 < kBlock ? n - t0 : kBlock);
+      for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+        const int cnt = static_cast<int>(n - t0 < kKeys ? n - t0 : kKeys);
         // Rows kPrefetch blocks ahead, while this one computes: the slots are scattered, so the
         // hardware prefetchers cannot guess them.
-        const int64_t ahead = t0 + kPrefetch * kBlock;
-        const int64_t next = n - ahead < kBlock ? n - ahead : kBlock;
+        const int64_t ahead = t0 + kPrefetch * kKeys;
+        const int64_t next = n - ahead < kKeys ? n - ahead : kKeys;
         for (int64_t t = 0; t < next; ++t) {
           const int64_t off = sl[ahead + t] * row + kh * D;
           for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) {
@@ -142,10 +159,8 @@ void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, c
             prefetch_l2(reinterpret_cast<const char*>(vb + off) + byte);
           }
         }
-        load_kv_block<NV>(kb, vb, sl + t0, cnt, row, kh * D, kf.data(), vf.data());
-        const v16i valid = lanes_below(cnt);
-        for (int64_t g = 0; g < G; ++g)
-          attend_block<NV>(qv.data() + g * NV, kf.data(), vf.data(), valid, cnt, st[g], partial);
+        block_rows(kb, vb, sl + t0, cnt, row, kh * D, krow, vrow);
+        for (int64_t g = 0; g < G; ++g) attend_block<NV>(qv.data() + g * NV, krow, vrow, cnt, st[g]);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
@@ -158,42 +173,41 @@ void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, c
 template <int NV, typename T>
 void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L, const int64_t* prefix,
                    const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H, int64_t KVH, float scale) {
-  constexpr int64_t D = NV * 16;
+  constexpr int64_t D = NV * kWidth;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
-  std::vector<int64_t> task_req, task_block;  // (request, first query of a 16-query block)
+  std::vector<int64_t> task_req, task_block;  // (request, first query of a block of queries)
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t i0 = 0; i0 < ext[r]; i0 += kBlock) {
+    for (int64_t i0 = 0; i0 < ext[r]; i0 += kQueries) {
       task_req.push_back(r);
       task_block.push_back(i0);
     }
   const int64_t ntask = static_cast<int64_t>(task_req.size());
   at::parallel_for(0, ntask * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(kBlock * G * NV), kf(kBlock * NV), vf(kBlock * NV);
-    std::vector<RowState<NV>> st(kBlock * G);
-    v16f partial[kBlock];
+    std::vector<vf> qv(kQueries * G * NV);
+    std::vector<RowState<NV>> st(kQueries * G);
+    const T* krow[kKeys];
+    const T* vrow[kKeys];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task_req[task / KVH], i0 = task_block[task / KVH], kh = task % KVH;
-      const int64_t nq = ext[r] - i0 < kBlock ? ext[r] - i0 : kBlock;
+      const int64_t nq = ext[r] - i0 < kQueries ? ext[r] - i0 : kQueries;
       const int64_t first_pos = prefix[r] + i0, last_pos = first_pos + nq - 1;
       const int64_t* sl = slots + r * L;
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const T* qr = q + ((qstart[r] + i0 + i) * H + kh * G + g) * D;
-          for (int j = 0; j < NV; ++j) qv[(i * G + g) * NV + j] = load16(qr + 16 * j) * scale;
+          for (int j = 0; j < NV; ++j) qv[(i * G + g) * NV + j] = load(qr + kWidth * j) * scale;
           init_row(st[i * G + g]);
         }
-      for (int64_t t0 = 0; t0 <= last_pos; t0 += kBlock) {
-        const int cnt = static_cast<int>(last_pos + 1 - t0 < kBlock ? last_pos + 1 - t0 : kBlock);
-        load_kv_block<NV>(kb, vb, sl + t0, cnt, row, kh * D, kf.data(), vf.data());
+      for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeys) {
+        const int cnt = static_cast<int>(last_pos + 1 - t0 < kKeys ? last_pos + 1 - t0 : kKeys);
+        block_rows(kb, vb, sl + t0, cnt, row, kh * D, krow, vrow);
         // Query i sees keys 0..first_pos + i: the block's first t0 - first_pos queries see none of it.
         for (int64_t i = t0 > first_pos ? t0 - first_pos : 0; i < nq; ++i) {
-          const int64_t pos = first_pos + i;
-          const int64_t seen = pos + 1 - t0;
+          const int64_t seen = first_pos + i + 1 - t0;
           const int upto = static_cast<int>(seen < cnt ? seen : cnt);
-          const v16i valid = lanes_below(upto);
           for (int64_t g = 0; g < G; ++g)
-            attend_block<NV>(qv.data() + (i * G + g) * NV, kf.data(), vf.data(), valid, upto, st[i * G + g], partial);
+            attend_block<NV>(qv.data() + (i * G + g) * NV, krow, vrow, upto, st[i * G + g]);
         }
       }
       for (int64_t i = 0; i < nq; ++i)
@@ -207,9 +221,9 @@ void dispatch_head_dim(int64_t D, const T* q, const T* kb, const T* vb, const in
                        T* out, float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
   switch (D) {
     case 64:
-      return decode_kernel<4, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
+      return decode_kernel<64 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
     case 128:
-      return decode_kernel<8, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
+      return decode_kernel<128 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
     default:
       TORCH_CHECK(false, "decode_attention: head_dim 64 or 128, got ", D);
   }
@@ -221,9 +235,9 @@ void dispatch_extend(int64_t D, const T* q, const T* kb, const T* vb, const int6
                      int64_t KVH, float scale) {
   switch (D) {
     case 64:
-      return extend_kernel<4, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
+      return extend_kernel<64 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
     case 128:
-      return extend_kernel<8, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
+      return extend_kernel<128 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
     default:
       TORCH_CHECK(false, "extend_attention: head_dim 64 or 128, got ", D);
   }

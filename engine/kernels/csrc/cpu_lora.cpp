@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "decode_layers.h"
-#include "vec.h"
+#include "vec_native.h"
 
 namespace asyncllm {
 
@@ -38,31 +38,21 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// The kernel's vectors are the machine's own width (GCC vector extensions): 16 fp32 lanes with
-// AVX-512, 8 with AVX2, where 16-lane vectors were kept in memory between operations. A tile is
-// up to kMaxRows rows of one adapter (sharing each load of its A and Bt) times kTile vectors of
-// outputs, sized so its accumulators, weights and broadcasts stay in the registers (32 with
-// AVX-512, 16 with AVX2).
+// The kernel's vectors are the machine's own width (vec_native.h): 16 fp32 lanes with AVX-512, 8
+// with AVX2, where 16-lane vectors were kept in memory between operations. A tile is up to
+// kMaxRows rows of one adapter (sharing each load of its A and Bt) times kTile vectors of outputs,
+// sized so its accumulators, weights and broadcasts stay in the registers (32 with AVX-512, 16
+// with AVX2).
+using native::broadcast;
+using native::kWidth;
+using native::vf;
+using native::vu;
 #if defined(__AVX512F__)
-constexpr int kWidth = 16, kMaxRows = 8, kTile = 2;
+constexpr int kMaxRows = 8, kTile = 2;
 #else
-constexpr int kWidth = 8, kMaxRows = 4, kTile = 2;
+constexpr int kMaxRows = 4, kTile = 2;
 #endif
-typedef float vf __attribute__((vector_size(4 * kWidth)));
-typedef uint32_t vu __attribute__((vector_size(4 * kWidth)));
 constexpr int kLanes = 16;  // the pool pads the ranks to a multiple of this (>= kWidth)
-
-inline vf broadcast(float x) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
-  return (vf)_mm256_set1_ps(x);
-#else
-  vf v;
-  for (int i = 0; i < kWidth; ++i) v[i] = x;
-  return v;
-#endif
-}
 
 // kWidth bf16 pairs widened to fp32: lo holds each pair's first element, hi its second.
 struct Pairs {

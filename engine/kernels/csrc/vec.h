@@ -19,20 +19,28 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-inline v16f load16(const float* p) {
-  v16f v;
+// A float vector F's lanes from p: fp32 values as they are, bf16 ones widened (bf16 is the top half
+// of an fp32; U/H: the uint32/uint16 vectors of F's width). 16 lanes here, the machine's own width
+// in vec_native.h.
+template <typename F>
+inline F load_floats(const float* p) {
+  F v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline v16f load16(const c10::BFloat16* p) {
-  v16h h;
+template <typename F, typename U, typename H>
+inline F load_floats(const c10::BFloat16* p) {
+  H h;
   std::memcpy(&h, p, sizeof(h));
-  v16u u = __builtin_convertvector(h, v16u) << 16;  // bf16 is the top half of an fp32
-  v16f v;
+  U u = __builtin_convertvector(h, U) << 16;
+  F v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
+
+inline v16f load16(const float* p) { return load_floats<v16f>(p); }
+inline v16f load16(const c10::BFloat16* p) { return load_floats<v16f, v16u, v16h>(p); }
 
 inline v16f splat(float x) { return v16f{} + x; }
 
@@ -69,28 +77,33 @@ inline v16f transpose_sum16(v16f* v) {
   return v[0];
 }
 
-// exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with x = n ln2 + r,
+// exp(x) for x <= 0 (scores minus their running max), lane by lane: 2^n * p(r) with x = n ln2 + r,
 // |r| <= ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7). Below -87 it returns 0.
-inline v16f exp_nonpos(v16f x) {
-  const v16f lo = splat(-87.0f);
-  v16i dead = x < lo;
+// F/I: a float vector type and the int32 vector of its width (16 lanes here, the machine's own
+// width in vec_native.h).
+template <typename F, typename I>
+inline F exp_nonpos_of(F x) {
+  const F lo = F{} - 87.0f;
+  I dead = x < lo;
   x = x < lo ? lo : x;
   // n = round(x log2 e): x <= 0, so truncating (x log2 e - 0.5) toward zero rounds to nearest.
-  v16f n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i), v16f);
-  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = splat(1.0f / 720);
+  F n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, I), F);
+  F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = F{} + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f scale;
+  I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  v16f out = p * scale;
-  return dead ? splat(0.0f) : out;
+  F out = p * scale;
+  return dead ? F{} : out;
 }
+
+inline v16f exp_nonpos(v16f x) { return exp_nonpos_of<v16f, v16i>(x); }
 
 // State of one query row (one token, one head) across key blocks: the online softmax.
 
