@@ -24,8 +24,8 @@ def adapters(llama_set):
     return {name: load_adapter(path, llama_set.cfg) for name, path in llama_set.paths.items()}
 
 
-def _pool(llama_set, adapters, names, slots=4) -> LoRAPool:
-    pool = LoRAPool(llama_set.cfg, max_loras_per_batch=slots, max_lora_rank=8)
+def _pool(llama_set, adapters, names, slots=4, kernel=None) -> LoRAPool:
+    pool = LoRAPool(llama_set.cfg, max_loras_per_batch=slots, max_lora_rank=8, kernel=kernel)
     for name in names:
         pool.load(name, adapters[name])
     return pool
@@ -61,10 +61,13 @@ def _check_against_peft(llama_set, pool, names, rows, seed=0):
                 )
 
 
-def test_mixed_batch_matches_peft(llama_set, adapters):
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_mixed_batch_matches_peft(llama_set, adapters, kernel):
     """Base, four adapters (every module / rsLoRA / rank and alpha patterns / a regex on one layer),
-    interleaved: requests of one adapter are not adjacent, so the rows are gathered and scattered."""
-    pool = _pool(llama_set, adapters, ["all", "rslora", "patterns", "regex"])
+    interleaved: requests of one adapter are not adjacent, so the rows are gathered and scattered.
+    Both CPU implementations: the C++ kernel (fp32's default) and torch ops."""
+    pool = _pool(llama_set, adapters, ["all", "rslora", "patterns", "regex"], kernel=kernel)
+    assert pool.kernel == kernel
     names = [None, "all", "rslora", None, "all", "patterns", "regex", "rslora", None]
     _check_against_peft(llama_set, pool, names, [3, 2, 1, 1, 4, 2, 2, 3, 1])
 
@@ -77,10 +80,11 @@ def test_single_adapter_batch_needs_no_gather(llama_set, adapters):
     _check_against_peft(llama_set, pool, ["patterns"] * 3, [1, 1, 1], seed=1)
 
 
-def test_recycled_slot_holds_only_the_new_adapter(llama_set, adapters):
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_recycled_slot_holds_only_the_new_adapter(llama_set, adapters, kernel):
     """A slot freed by eviction or unload is cleared: the next adapter there adds only its own
     modules (the evicted one adapted projections the new one does not)."""
-    pool = _pool(llama_set, adapters, ["all", "regex"], slots=2)
+    pool = _pool(llama_set, adapters, ["all", "regex"], slots=2, kernel=kernel)
     pool.unload("all")
     pool.load("rslora", adapters["rslora"])  # takes the slot "all" filled
     pool.load("patterns", adapters["patterns"])  # evicts "regex", least recently used
@@ -133,7 +137,10 @@ def test_bf16_close_to_fp32(llama_set, adapters, kernel, rows):
         )
         for name in ("all", "rslora"):
             pools[dtype].load(name, adapters[name])
-    assert LoRAPool(llama_set.cfg, dtype=torch.bfloat16).kernel == "cpu"  # the default there
+    for dtype in pools:  # the C++ kernel is the default on a CPU in both
+        assert LoRAPool(llama_set.cfg, dtype=dtype).kernel == "cpu"
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        LoRAPool(llama_set.cfg, dtype=torch.float16, kernel="cpu")
     gen = torch.Generator().manual_seed(4)
     n = sum(rows)
     xs = projection_inputs(llama_set.cfg, n, gen)
@@ -156,17 +163,16 @@ def test_bf16_close_to_fp32(llama_set, adapters, kernel, rows):
 
 
 def test_cpu_kernel_odd_shapes_and_row_blocks():
-    """The C++ kernel's packed pairs (csrc/cpu_lora.cpp) on odd shapes: odd input widths (the last
-    pair half padding), odd ranks (a rank pair straddling two parts of q|k|v), output widths that
-    are not a multiple of 16 (the scalar tail), ranks that pad to 16. Against torch ops in bf16
-    (the same roundings, another summation order: within an ulp or two of the largest delta) and
-    in fp32 (within bf16 rounding of the shrink). A row's delta has the same bits whether or not
-    its adapter's other rows share its block."""
+    """The C++ kernel's packed groups (csrc/cpu_lora.cpp) on odd shapes: odd input widths (the last
+    bf16 pair half padding), odd ranks (a rank pair straddling two parts of q|k|v), output widths
+    that are not a multiple of 16 (the scalar tail), ranks that pad to 16. In bf16 against torch
+    ops in bf16 (the same roundings, another summation order: within an ulp or two of the largest
+    delta) and in fp32 (within bf16 rounding of the shrink); in fp32 against torch ops in fp32
+    (another summation order only). A row's delta has the same bits whether or not its adapter's
+    other rows share its block."""
     cfg = tiny_config(hidden_size=15, num_heads=5, num_kv_heads=1, head_dim=3, intermediate_size=21, num_layers=1)
-    pools = {
-        key: LoRAPool(cfg, max_loras_per_batch=2, max_lora_rank=3, dtype=key[0], kernel=key[1])
-        for key in ((torch.float32, "torch"), (torch.bfloat16, "torch"), (torch.bfloat16, "cpu"))
-    }
+    kinds = ((torch.float32, "torch"), (torch.bfloat16, "torch"), (torch.bfloat16, "cpu"), (torch.float32, "cpu"))
+    pools = {key: LoRAPool(cfg, max_loras_per_batch=2, max_lora_rank=3, dtype=key[0], kernel=key[1]) for key in kinds}
     for seed, name in enumerate(("a", "b")):
         adapter = random_adapter(cfg, 3, seed=seed, scaling=0.25)
         for pool in pools.values():
@@ -186,7 +192,10 @@ def test_cpu_kernel_odd_shapes_and_row_blocks():
         assert largest > 1.0  # the deltas are not all zero
         torch.testing.assert_close(ours, outs["torch", torch.bfloat16], rtol=0, atol=float(largest) / 64)
         torch.testing.assert_close(ours, outs["torch", torch.float32], rtol=0, atol=float(largest) / 16)
+        torch.testing.assert_close(outs["cpu", torch.float32], outs["torch", torch.float32], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(outs["cpu", torch.float32], ours)  # fp32 kept fp32: no bf16 rounding
         # the last row of "b" alone in its block: the same bits as among the other ten
-        single = mixed_batch(["b"], pools[torch.bfloat16, "cpu"], [1])
-        alone = apply_lora(x[-1:], torch.zeros(1, out_f, dtype=torch.bfloat16), 0, projection, single)
-        assert torch.equal(alone.float(), ours[-1:])
+        for dtype in (torch.bfloat16, torch.float32):
+            single = mixed_batch(["b"], pools[dtype, "cpu"], [1])
+            alone = apply_lora(x[-1:].to(dtype), torch.zeros(1, out_f, dtype=dtype), 0, projection, single)
+            assert torch.equal(alone.float(), outs["cpu", dtype][-1:])

@@ -38,10 +38,11 @@ def test_cpu_path_never_imports_triton():
         from engine.lora import LoRABatchInfo, LoRAPool, apply_lora
         from tests.lora_random import random_adapter, tiny_config
         cfg = tiny_config(num_layers=1)
-        pool = LoRAPool(cfg, max_loras_per_batch=1, max_lora_rank=4)
-        pool.load("a", random_adapter(cfg, 2))
-        apply_lora(torch.randn(3, 24), torch.zeros(3, 48), 0, "qkv_proj", LoRABatchInfo.build(pool, [0], [3]))
-        assert pool.kernel == "torch"
+        for kernel in (None, "torch"):  # the default on a CPU (the C++ kernel), then torch ops
+            pool = LoRAPool(cfg, max_loras_per_batch=1, max_lora_rank=4, kernel=kernel)
+            pool.load("a", random_adapter(cfg, 2))
+            apply_lora(torch.randn(3, 24), torch.zeros(3, 48), 0, "qkv_proj", LoRABatchInfo.build(pool, [0], [3]))
+            assert pool.kernel == (kernel or "cpu"), pool.kernel
         assert "triton" not in sys.modules and "engine.lora.triton_ops" not in sys.modules, "triton was imported"
         print("OK")
         """

@@ -188,11 +188,12 @@ class FusedDecodeLayers:
 
 def _add_lora(native: Any, pool: LoRAPool) -> bool:
     """Hand the loop every (layer, projection) buffer of `pool` (kept by reference: slot writes
-    land in place), where the pool computes with the same C++ kernel (`kernel` "cpu": bf16 on a
-    CPU), so a forward's deltas do not depend on which path took it; False elsewhere."""
+    land in place), where the pool computes with the same C++ kernel (`kernel` "cpu", the default
+    on a CPU; the loop runs bf16 models only), so a forward's deltas do not depend on which path
+    took it; False elsewhere."""
     if pool.kernel != "cpu":
         return False
     for (layer, projection), w in pool.buffers.items():
         index = tuple(PROJECTIONS).index(projection)
-        native.set_lora(layer, index, w.a_pairs, w.bt_pairs, w.scaling, list(w.out_sizes), w.max_rank)
+        native.set_lora(layer, index, w.a_packed, w.bt_packed, w.scaling, list(w.out_sizes), w.max_rank)
     return True

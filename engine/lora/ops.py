@@ -13,12 +13,12 @@ Under tensor parallelism `x` and `out` are this rank's (the pool holds this rank
 projections.py): a row-parallel projection's delta is a partial sum like its base output, so call
 this before the layer's all-reduce.
 
-Three implementations, chosen when the pool is built (`LoRAPool.kernel`): torch ops (fp32 on a
-CPU; per adapter one shrink and one expand over the block-diagonal B, added into the output in
-place; a gather and a scatter-add around them when base rows are mixed in), the C++ loops of
-csrc/cpu_lora.cpp (bf16 on a CPU: one call per projection, the same code the fused layer loop
-runs), and the Triton SGMV kernels (triton_ops.py; GPU), imported only when used so CPU-only
-code never needs triton.
+Three implementations, chosen when the pool is built (`LoRAPool.kernel`): the C++ loops of
+csrc/cpu_lora.cpp (bf16 and fp32 on a CPU: one call per projection, in bf16 the same code the
+fused layer loop runs), torch ops (the reference, and a CPU without the built extension; per
+adapter one shrink and one expand over the block-diagonal B, added into the output in place; a
+gather and a scatter-add around them when base rows are mixed in), and the Triton SGMV kernels
+(triton_ops.py; GPU), imported only when used so CPU-only code never needs triton.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, layer: int, projection: str, 
         return out
     if x.shape[0] != info.num_rows or out.shape[0] != info.num_rows:
         raise ValueError(f"LoRA batch info is for {info.num_rows} rows; x has {x.shape[0]}, out {out.shape[0]}")
-    if info.pool.kernel == "cpu":  # bf16 on a CPU: csrc/cpu_lora.cpp, as the fused layer loop runs it
+    if info.pool.kernel == "cpu":  # csrc/cpu_lora.cpp (in bf16 as the fused layer loop runs it)
         native = cpu_extension.module_or_raise()
-        return native.lora_add_(x, out, w.a_pairs, w.bt_pairs, w.scaling, list(w.out_sizes), w.max_rank, info.row_slots)
+        sizes = list(w.out_sizes)
+        return native.lora_add_(x, out, w.a_packed, w.bt_packed, w.scaling, sizes, w.max_rank, info.row_slots)
     if info.pool.kernel == "triton":
         from engine.lora import triton_ops  # the GPU path only: see the module docstring
 

@@ -15,11 +15,11 @@ forward uses must sit in a slot of buffers that one kernel indexes by slot. Per 
   segment's expand is one matmul added into the output in place. On a CPU a LoRA forward's cost
   is the number of small ops (about 40% of a decode step with one op per part), not the zero
   blocks' flops;
-- `a_pairs` / `bt_pairs` (the C++ path, csrc/cpu_lora.cpp): the same A and block-diagonal Bt as
-  bf16 pairs along the summed dimension, `[slots, ceil(in / 2), ranks, 2]` and
-  `[slots, ranks / 2, out, 2]` with `ranks` = parts * R rounded up to 16 (zeros in the padding),
-  so one vector load holds two summed-over values for a vector of outputs (`pack_pairs` writes
-  them from `a` and `b` when a slot is loaded).
+- `a_packed` / `bt_packed` (the C++ path, csrc/cpu_lora.cpp): the same A and block-diagonal Bt
+  in groups of G values of the summed dimension that fill 32 bits (G = 2 in bf16, 1 in fp32),
+  `[slots, ceil(in / G), ranks, G]` and `[slots, ranks / G, out, G]` with `ranks` = parts * R
+  rounded up to 16 (zeros in the padding), so one vector load holds G summed-over values for a
+  vector of outputs (`pack` writes them from `a` and `b` when a slot is loaded).
 
 A part the adapter does not adapt holds zeros (its delta is 0); `active` lists, per buffer, the
 slots holding something, so the torch path can skip the rest.
@@ -60,8 +60,8 @@ class LoRAWeights:
     part_table: torch.Tensor  # [2, parts] int32 on the device: out_starts, out_sizes (the kernels')
     active: set[int] = field(default_factory=set)  # slots that adapt this projection in this layer
     bt: torch.Tensor | None = None  # [slots, parts * max_rank, out]: the torch path's expand
-    a_pairs: torch.Tensor | None = None  # [slots, ceil(in / 2), ranks, 2]: the C++ path's shrink
-    bt_pairs: torch.Tensor | None = None  # [slots, ranks / 2, out, 2]: the C++ path's expand
+    a_packed: torch.Tensor | None = None  # [slots, ceil(in / G), ranks, G]: the C++ path's shrink
+    bt_packed: torch.Tensor | None = None  # [slots, ranks / G, out, G]: the C++ path's expand
 
     @property
     def out_starts(self) -> tuple[int, ...]:
@@ -70,38 +70,38 @@ class LoRAWeights:
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-        for packed in (self.bt, self.a_pairs, self.bt_pairs):
+        for packed in (self.bt, self.a_packed, self.bt_packed):
             if packed is not None:
                 packed[slot].zero_()
         self.scaling[slot].zero_()
         self.active.discard(slot)
 
-    def pack_pairs(self, slot: int) -> None:
-        """Write slot's `a_pairs` / `bt_pairs` from its `a` and `b` (the C++ path's layout)."""
-        if self.a_pairs is None or self.bt_pairs is None:
+    def pack(self, slot: int) -> None:
+        """Write slot's `a_packed` / `bt_packed` from its `a` and `b` (the C++ path's layout)."""
+        if self.a_packed is None or self.bt_packed is None:
             return
-        pairs, ranks = self.a_pairs.shape[1], self.a_pairs.shape[2]
+        groups, ranks, g = self.a_packed.shape[1:]
         used, in_f = self.a.shape[1], self.a.shape[2]
-        a = self.a.new_zeros(ranks, 2 * pairs)
+        a = self.a.new_zeros(ranks, g * groups)
         a[:used, :in_f] = self.a[slot]
-        self.a_pairs[slot] = a.view(ranks, pairs, 2).transpose(0, 1)
-        bt = self.a.new_zeros(ranks, self.bt_pairs.shape[2])
+        self.a_packed[slot] = a.view(ranks, groups, g).transpose(0, 1)
+        bt = self.a.new_zeros(ranks, self.bt_packed.shape[2])
         r = self.max_rank
         for p, (first, n) in enumerate(zip(self.out_starts, self.out_sizes)):
             bt[p * r : (p + 1) * r, first : first + n] = self.b[slot, first : first + n].T
-        self.bt_pairs[slot] = bt.view(ranks // 2, 2, -1).transpose(1, 2)
+        self.bt_packed[slot] = bt.view(ranks // g, g, -1).transpose(1, 2)
 
 
 KERNELS = ("torch", "cpu", "triton")
 
 
 def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """The SGMV Triton kernels on a GPU; on a CPU in bf16 the C++ loops (csrc/cpu_lora.cpp: the
-    fused layer loop runs the same ones, so a forward's output does not depend on which path took
-    it); torch ops elsewhere (fp32: the reference path PEFT parity is measured on)."""
+    """The SGMV Triton kernels on a GPU; on a CPU in bf16 and fp32 the C++ loops (csrc/cpu_lora.cpp;
+    in bf16 the fused layer loop runs the same ones, so a forward's output does not depend on which
+    path took it); torch ops elsewhere (fp16, or a CPU without the built extension)."""
     if device.type == "cuda":
         return "triton"
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_extension.load() is not None:
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_extension.load() is not None:
         return "cpu"
     return "torch"
 
@@ -125,12 +125,12 @@ def resolve_target_modules(names: Iterable[str] | None) -> frozenset[str]:
     return frozenset(out)
 
 
-def _pair_buffers(slots: int, in_f: int, used: int, out: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The C++ path's zeroed `a_pairs` and `bt_pairs` (module docstring)."""
-    ranks = -(-used // 16) * 16
+def _packed_buffers(slots: int, in_f: int, used: int, out: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The C++ path's zeroed `a_packed` and `bt_packed` (module docstring)."""
+    ranks, g = -(-used // 16) * 16, 4 // dtype.itemsize
     return {
-        "a_pairs": torch.zeros(slots, (in_f + 1) // 2, ranks, 2, dtype=dtype),
-        "bt_pairs": torch.zeros(slots, ranks // 2, out, 2, dtype=dtype),
+        "a_packed": torch.zeros(slots, -(-in_f // g), ranks, g, dtype=dtype),
+        "bt_packed": torch.zeros(slots, ranks // g, out, g, dtype=dtype),
     }
 
 
@@ -164,6 +164,8 @@ class LoRAPool:
         self.kernel = kernel if kernel is not None else default_kernel(self.device, dtype)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown LoRA kernel {self.kernel!r} ({', '.join(KERNELS)})")
+        if self.kernel == "cpu" and dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the C++ LoRA kernel computes in bf16 or fp32, not {dtype}")
         self.projections = tuple(p for p, parts in PROJECTIONS.items() if self.target_modules & set(parts))
         self.buffers: dict[tuple[int, str], LoRAWeights] = {}
         r, s = max_lora_rank, max_loras_per_batch
@@ -183,7 +185,7 @@ class LoRAPool:
                     bt=torch.zeros(s, n * r, sum(sizes), device=self.device, dtype=dtype)
                     if self.kernel == "torch"
                     else None,
-                    **(_pair_buffers(s, in_f, n * r, sum(sizes), dtype) if self.kernel == "cpu" else {}),
+                    **(_packed_buffers(s, in_f, n * r, sum(sizes), dtype) if self.kernel == "cpu" else {}),
                 )
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, least recent first
         self._adapters: dict[str, LoRAAdapter] = {}
@@ -321,4 +323,4 @@ class LoRAPool:
             w.active.add(slot)
             written.add((layer, projection))
         for key in written:
-            self.buffers[key].pack_pairs(slot)
+            self.buffers[key].pack(slot)

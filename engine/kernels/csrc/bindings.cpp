@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
-  m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16, engine/lora/ops.py's CPU path)",
+  m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 tokens (engine/layers/moe.py)",
         py::call_guard<py::gil_scoped_release>());
