@@ -232,15 +232,15 @@ async def test_a_stalled_socket_does_not_hold_the_others(server):
 async def test_shutdown_closes_open_dashboards(tiny_model_dir, tmp_path):
     """SIGTERM with a dashboard open: its socket is closed at once (1001) and the server exits 0,
     without waiting out the grace period for a socket that would never close by itself."""
-    srv = ServerProcess(tiny_model_dir, *TINY_ARGS, "--graceful-shutdown-timeout", "20", log_dir=tmp_path).start()
+    srv = ServerProcess(tiny_model_dir, *TINY_ARGS, "--graceful-shutdown-timeout", "120", log_dir=tmp_path).start()
     try:
         async with aiohttp.ClientSession() as s, s.ws_connect(srv.url + "/dashboard/ws") as ws:
             assert len(await snapshots(ws, 0.5)) >= 3
             srv.signal(signal.SIGTERM)
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(60):  # half the grace period: a server that waits it out fails here
                 while (await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
                     pass
             assert ws.close_code == 1001
-        assert await asyncio.to_thread(srv.proc.wait, 15) == 0, srv.log_tail()  # 15: a hang guard
+        assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()  # a hang guard, under the grace
     finally:
         srv.stop()
