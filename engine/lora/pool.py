@@ -93,6 +93,7 @@ class LoRAWeights:
 
 
 KERNELS = ("torch", "cpu", "triton")
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # what csrc/cpu_lora.cpp computes in
 
 
 def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
@@ -101,7 +102,7 @@ def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
     path took it); torch ops elsewhere (fp16, or a CPU without the built extension)."""
     if device.type == "cuda":
         return "triton"
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_extension.load() is not None:
+    if device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_extension.load() is not None:
         return "cpu"
     return "torch"
 
@@ -164,7 +165,7 @@ class LoRAPool:
         self.kernel = kernel if kernel is not None else default_kernel(self.device, dtype)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown LoRA kernel {self.kernel!r} ({', '.join(KERNELS)})")
-        if self.kernel == "cpu" and dtype not in (torch.bfloat16, torch.float32):
+        if self.kernel == "cpu" and dtype not in CPU_KERNEL_DTYPES:
             raise ValueError(f"the C++ LoRA kernel computes in bf16 or fp32, not {dtype}")
         self.projections = tuple(p for p, parts in PROJECTIONS.items() if self.target_modules & set(parts))
         self.buffers: dict[tuple[int, str], LoRAWeights] = {}
