@@ -3,9 +3,9 @@
 The kernels run on CPU under the Triton interpreter, which must be enabled (TRITON_INTERPRET=1)
 before triton is imported, so the checks (tests/triton_checks.py) run in subprocesses; the two check
 groups run concurrently (one per core) and are started once per module. Since the interpreter never
-compiles anything, the kernels are also compiled for sm_90 ahead of time (no GPU needed). Each run draws fresh random
-inputs and prints its seed; a failure shows the subprocess output, with the seed to replay it:
-`TRITON_INTERPRET=1 python tests/triton_checks.py --seed N`.
+compiles anything, the kernels are also compiled for sm_90 ahead of time (no GPU needed). The
+inputs come from a fixed seed (the same numbers every run); other draws: `TRITON_INTERPRET=1
+python tests/triton_checks.py --seed random` (the seed is printed to replay it).
 """
 
 from __future__ import annotations
