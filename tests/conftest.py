@@ -52,6 +52,23 @@ def _seeded():
     torch.manual_seed(0)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that used a server (any fixture value with `log_tail`: `ServerProcess`, the
+    DP and router launchers) shows the end of that server's log: under load the cause (a slow
+    start, an overloaded scheduler) is there, and the log folder does not outlive later runs."""
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        for name, value in getattr(item, "funcargs", {}).items():
+            tail = getattr(value, "log_tail", None)
+            if callable(tail):
+                try:
+                    report.sections.append((f"log of the server in fixture {name!r} (tail)", tail(20_000)))
+                except Exception as e:  # the report must not fail for want of a log
+                    report.sections.append((f"log of fixture {name!r}", f"unreadable: {e!r}"))
+    return report
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -22,6 +22,7 @@
   let steps = [];
   let latest = null;
   let updates = 0;
+  let draws = 0;
   let lastFrameAt = 0;
   let radixKey = "";
   let drawPending = false;
@@ -133,6 +134,9 @@
   function onSnapshot(s) {
     updates += 1;
     latest = s;
+    // How far the page keeps up, as counts (devtools, tests): snapshots taken of those the server
+    // numbered (a slow page's frames are replaced by newer ones), and draws made.
+    $("updates").dataset.seq = String(s.seq);
     $("error").hidden = true;
     const total = Math.max(s.total_tokens, 1);
     push("t", s.t);
@@ -209,7 +213,11 @@
   function scheduleDraw() {
     if (drawPending) return;
     drawPending = true;
-    requestAnimationFrame(() => { drawPending = false; drawAll(); });
+    requestAnimationFrame(() => {
+      drawPending = false;
+      drawAll();
+      $("updates").dataset.draws = String(++draws);
+    });
   }
 
   function surface(id) {
