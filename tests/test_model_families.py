@@ -235,13 +235,13 @@ def test_an_unsupported_architecture_fails_naming_it(tmp_path):
     assert all(arch in str(e.value) for arch in SUPPORTED_ARCHITECTURES)
     assert "Phi3ForCausalLM" in str(e.value) and "Olmo2ForCausalLM" in str(e.value)
     # A GGUF of a family served from safetensors only: refused by name, not half-loaded.
-    path = tmp_path / "gemma2.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma2")
+    path = tmp_path / "granite.gguf"
+    w = gguf.GGUFWriter(str(path), "granite")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2'.*as GGUF: llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'granite'.*as GGUF: llama, qwen2, qwen3"):
         resolve_model(str(path))

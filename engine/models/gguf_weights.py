@@ -61,8 +61,19 @@ _EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 EXPERTS = "*"  # the expert index in a stacked tensor's name (`gguf_to_hf_name`)
 # Phi-3's fused projections, as llama.cpp names them (its `ffn_up` is the gate|up pair).
 _PHI3_NAMES = _BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2/3's sandwich norms: llama.cpp's `ffn_norm` is the norm before the MLP there (not after
+# attention, as in Llama), and the norms after attention and after the MLP have their own names.
+_GEMMA_NAMES = _BLOCK_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_NAMES = {"phi3": _PHI3_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's by w, so its converter stores every norm weight
+# plus one (`*norm.weight`, q/k norms included): taken back off here, as transformers does.
+_NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 # Tensors llama.cpp stores that are not model parameters (RoPE tables it can recompute; Phi-3's
-# longrope factors, which go into the config: loader._apply_gguf_phi3).
+# longrope factors, which go into the config: gguf_config._complete_phi3).
 _NON_PARAMETERS = {"rope_freqs", "attn_rot_embd", "rope_factors_long", "rope_factors_short"}
 # Architectures whose 4-bit layer blocks the quantized kernels take (no fused checkpoint tensors).
 _Q4_ARCHS = {"llama", "qwen2", "qwen3", "qwen3moe"}
@@ -241,7 +252,7 @@ def gguf_to_hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return None
     if len(parts) == 1 and base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
-    names = _PHI3_NAMES if architecture == "phi3" else _BLOCK_NAMES
+    names = _ARCH_NAMES.get(architecture, _BLOCK_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{int(parts[1])}.{names[parts[2]]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _EXPERT_STACKS and kind == "weight":
@@ -362,6 +373,7 @@ def iter_gguf_tensors(
     alike) and the Q8_0 blocks of the embedding or LM head; None for every other tensor.
     """
     unpermute = index.architecture in _PERMUTED_ARCHS
+    norm_plus_one = index.architecture in _NORM_PLUS_ONE_ARCHS
     path = index.path
     try:
         f = path.open("rb")
@@ -381,6 +393,8 @@ def iter_gguf_tensors(
                     heads = num_heads
                 elif unpermute and ".self_attn.k_proj." in hf_name:
                     heads = num_kv_heads
+                if norm_plus_one and hf_name.endswith("norm.weight"):
+                    tensor = tensor - 1
                 if heads is not None:
                     tensor = _unpermute_rotary(tensor, heads)
                     if isinstance(q4, Q4Blocks):

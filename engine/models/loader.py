@@ -26,13 +26,13 @@ from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
 from engine.layers.q8 import Q8Blocks
 from engine.models.gguf_cache import load_gguf_config, load_gguf_tokenizer
+from engine.models.gguf_config import complete_gguf_config
 from engine.models.gguf_weights import (
     GGUFIndex,
     gguf_to_hf_name,
     iter_gguf_tensors,
     iter_gguf_weights,
     read_gguf_index,
-    read_gguf_tensor,
 )
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -69,7 +69,7 @@ _MODEL_TYPE_TO_ARCH = {
 }
 # GGUF general.architecture values we read (the same names as the model types): GGUF tensor names
 # and their layouts (engine/models/gguf_weights.py) are mapped for these only
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -237,15 +237,13 @@ def _resolve_gguf(path: Path) -> ModelSource:
             gguf_to_hf_name(info.name, index.architecture)
     except ValueError as e:
         raise ModelLoadError(f"GGUF file {path}: {e}") from None
-    try:  # a copy of the cached config per call: _apply_gguf_head_dim (and callers) may change it
+    try:  # a copy of the cached config per call: complete_gguf_config (and callers) change it
         hf_config = load_gguf_config(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read the config of GGUF file {path}: {e}") from e
     # transformers may reinterpret the file (a llama-architecture GGUF named "mistral" -> mistral).
     architecture = _architecture(None, hf_config.model_type, path)
-    _apply_gguf_head_dim(hf_config, index)
-    _apply_gguf_experts(hf_config, index)
-    _apply_gguf_phi3(hf_config, index)
+    complete_gguf_config(hf_config, index)
     return ModelSource(path, path, hf_config, architecture, (), index)
 
 
@@ -254,65 +252,6 @@ def _gguf_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
     """The header (validated against the whole file before transformers parses it), read once per
     process for each version of the file (size, mtime_ns): engines restarted in one process reuse it."""
     return read_gguf_index(Path(path))
-
-
-def _apply_gguf_head_dim(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
-    """Take head_dim from `<arch>.attention.key_length` when the file states it.
-
-    transformers maps that key for some architectures but not for qwen3, whose config then keeps
-    its class default (128) — wrong for any Qwen3 GGUF with another head size.
-    """
-    key_length = index.metadata.get(f"{index.architecture}.attention.key_length")
-    has_head_dim = hasattr(hf_config, "head_dim")  # Llama/Qwen3 configs have one; Qwen2 derives it
-    if has_head_dim and isinstance(key_length, int) and key_length > 0 and hf_config.head_dim != key_length:
-        hf_config.head_dim = key_length
-
-
-def _apply_gguf_experts(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
-    """A Qwen3-MoE GGUF: each expert's width from `<arch>.expert_feed_forward_length` (transformers
-    does not map it, and its class default is another model's), and the top-k weights renormalised,
-    as llama.cpp's Qwen3-MoE graph always does (the file has no flag for it; every released
-    Qwen3-MoE sets `norm_topk_prob`)."""
-    if index.architecture != "qwen3moe":
-        return
-    width = index.metadata.get("qwen3moe.expert_feed_forward_length")
-    if not (isinstance(width, int) and width > 0):
-        raise ModelLoadError(f"GGUF file {index.path}: no qwen3moe.expert_feed_forward_length")
-    hf_config.moe_intermediate_size = width
-    hf_config.norm_topk_prob = True
-
-
-def _apply_gguf_phi3(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
-    """A Phi-3 GGUF: what llama.cpp stores and transformers' GGUF config leaves out: a partial
-    rotary (`phi3.rope.dimension_count` below the head size: Phi-4-mini), a sliding window, and
-    longrope (Phi-3-128k, Phi-3.5, Phi-4-mini), whose factors llama.cpp keeps as the tensors
-    `rope_factors_long` / `rope_factors_short` and whose trained context as
-    `phi3.rope.scaling.original_context_length`."""
-    if index.architecture != "phi3":
-        return
-    meta = index.metadata
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    rope_dim = meta.get("phi3.rope.dimension_count")
-    if isinstance(rope_dim, int) and 0 < rope_dim < head_dim:
-        params["partial_rotary_factor"] = hf_config.partial_rotary_factor = rope_dim / head_dim
-    window = meta.get("phi3.attention.sliding_window")
-    if isinstance(window, int) and window > 0:
-        hf_config.sliding_window = window
-    long, short = (
-        read_gguf_tensor(index, "rope_factors_long.weight"),
-        read_gguf_tensor(index, "rope_factors_short.weight"),
-    )
-    if long is not None and short is not None:
-        original = meta.get("phi3.rope.scaling.original_context_length")
-        if not (isinstance(original, int) and original > 0):
-            raise ModelLoadError(
-                f"GGUF file {index.path}: longrope factors without phi3.rope.scaling.original_context_length"
-            )
-        params.update(rope_type="longrope", long_factor=long.tolist(), short_factor=short.tolist())
-        params["original_max_position_embeddings"] = hf_config.original_max_position_embeddings = original
-    if params:
-        hf_config.rope_parameters = params
 
 
 def _architecture(architectures: Any, model_type: Any, where: Path) -> str:
