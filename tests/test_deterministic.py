@@ -20,7 +20,7 @@ import torch
 from engine import SyncScheduler
 from engine.errors import InvalidServerArgsError
 from engine.kernels import cpu_quant
-from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, finalize_linear
+from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, finalize_linear, onednn_bf16_available
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs, cpu_has_native_bf16
@@ -132,6 +132,11 @@ def test_every_projection_runs_in_fixed_row_tiles(deterministic):
     assert projections and all(isinstance(m, BatchInvariantLinear) for m in projections if m is not model.lm_head)
     assert isinstance(model.lm_head, BatchInvariantLinear)
     assert deterministic.q4_max_tokens == 0
+    # tiles for this CPU: small where bf16 is emulated (a GEMM costs the same per row there)
+    tiles = model.row_tiles
+    want = (64, 256) if onednn_bf16_available() else RowTiles.EMULATED_BF16
+    assert (tiles.decode, tiles.extend) == want
+    assert (RowTiles.for_weights(torch.float32, torch.device("cpu")).decode, RowTiles.DECODE) == (64, 64)
     if cpu_quant.vectorized():  # the fused decode loop is built (AVX512-BF16) and runs on the tiles too
         assert model.fused_decode is not None and model.fused_decode.tiled
     assert deterministic.step_threads is not None and deterministic.step_threads.pin_extend
@@ -197,16 +202,21 @@ def test_seeded_sampling_gives_the_same_tokens_in_a_batch(deterministic):
     assert alone == batched
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "dtype,sizes",
+    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, RowTiles.EMULATED_BF16)],
+    ids=["bf16", "fp32", "bf16-emulated-tiles"],
+)
 @pytest.mark.parametrize("decode", [True, False])
-def test_a_rows_result_depends_on_that_row_alone(dtype, decode):
-    """`BatchInvariantLinear` over the LM head's shape (the widest GEMM): in either mode's tiles,
-    a row's output is the same bits at batch sizes 1..300 and at any position, beside random
-    neighbours; a decode tile's also with one thread fewer (small decodes run so: StepThreads)."""
+def test_a_rows_result_depends_on_that_row_alone(dtype, sizes, decode):
+    """`BatchInvariantLinear` over the LM head's shape (the widest GEMM): in either mode's tiles
+    (the default ones, and the small ones of a CPU without native bf16), a row's output is the
+    same bits at batch sizes 1..300 and at any position, beside random neighbours; a decode
+    tile's also with one thread fewer (small decodes run so: StepThreads)."""
     torch.manual_seed(0)
     dense = DenseLinear(576, (49152 if decode else 1728,), False, torch.device("cpu"), dtype)
     dense.weight.data.normal_(0, 0.05)
-    tiles = RowTiles()
+    tiles = RowTiles(*sizes) if sizes else RowTiles()
     tiles.select(decode)
     linear = finalize_linear(dense, None, 0, tiles)
     assert isinstance(linear, BatchInvariantLinear)

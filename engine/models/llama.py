@@ -345,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.qk_norm.process_weights_after_loading()
         measure = q4_max_rows is None and not batch_invariant
         rows = 0 if batch_invariant else 1 if q4_max_rows is None else q4_max_rows  # 1: provisional while measuring
-        self.row_tiles = RowTiles() if batch_invariant else None
+        weight = self.embed_tokens.weight
+        self.row_tiles = RowTiles.for_weights(weight.dtype, weight.device) if batch_invariant else None
         names = [name for name, module in self.named_modules() if isinstance(module, DenseLinear)]
         for name in names:
             dense = self.get_submodule(name)
