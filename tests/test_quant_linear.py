@@ -267,10 +267,13 @@ def test_linear_falls_back_to_dense(monkeypatch):
     monkeypatch.setattr(PackedInt4Weight, "matmul", refuse)
     for inp in (torch.randn(5, 64, generator=g).to(torch.bfloat16), x[:0]):  # rows > 4, empty
         assert torch.equal(q4_bias(inp), F.linear(inp, w, bias))
-    # fp32 (the reference path) never gets an int4 module: finalize keeps F.linear.
+    # fp32 (the reference path) never gets an int4 module: finalize keeps the dense weight (a few
+    # rows through the fp32 small-batch loop, test_cpu_gemv.py; more through F.linear itself).
     fp32 = finalize_linear(_dense(w.float(), bias.float()), packed, 4)
     assert type(fp32) is DenseLinear
-    assert torch.equal(fp32(x.float()), F.linear(x.float(), w.float(), bias.float()))
+    torch.testing.assert_close(fp32(x.float()), F.linear(x.float(), w.float(), bias.float()))
+    many = torch.randn(64, 64, generator=g)
+    assert torch.equal(fp32(many), F.linear(many, w.float(), bias.float()))
     assert type(finalize_linear(_dense(w, bias), packed, 0)) is not QuantLinear  # threshold 0: no int4 form
 
 

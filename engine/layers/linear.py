@@ -2,8 +2,9 @@
 
 - `DenseLinear`: `F.linear` on a dense weight. Every projection is built as one (a fused q|k|v or
   gate|up projection loads its parts into row ranges, `output_sizes`) and stays one where nothing
-  faster applies: the fp32 reference path (its `F.linear` is the BLAS whose results the
-  transformers parity tests pin) and devices other than the CPU.
+  faster applies: fp32 (the transformers parity path; on a CPU its inputs of a few rows, decode
+  steps, go through our small-batch loop, engine/kernels/cpu_gemv.py, which streams the weights
+  at 2-4x MKL's rate there, with fp32 sums of its own order) and devices other than the CPU.
 - `OneDNNLinear`: a bf16 CPU weight reordered once into oneDNN's blocked layout (what inductor's
   CPU freezing does). `F.linear` in bf16 runs the same oneDNN kernel but reorders the weight on
   every call; prepacked, a decode step's matmuls take 15-45% less time (measured on a 2-core CPU,
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_gemv
 from engine.layers.int4 import PackedInt4Weight, TiledQ4Weight
 from engine.layers.q8 import Q8Weight
 
@@ -59,6 +61,8 @@ class DenseLinear(nn.Module):
     """`y = x @ W.T + b` with `F.linear`; W is `[sum(output_sizes), in_features]`.
 
     `weight`: an existing parameter to use instead of a new one (a tied LM head and its embedding).
+    `small_rows` (set at load by `finalize_linear`): inputs of 1 to that many rows go through the
+    fp32 small-batch loop (engine/kernels/cpu_gemv.py), which streams the weight on every thread.
     """
 
     def __init__(
@@ -78,12 +82,15 @@ class DenseLinear(nn.Module):
             weight = nn.Parameter(torch.empty(self.out_features, in_features, device=device, dtype=dtype), False)
         self.weight = weight
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype), False) if bias else None
+        self.small_rows = 0
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """(first row, row count) of part `shard` of a fused weight (e.g. 0/1/2 = q/k/v)."""
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.small_rows and x.dim() == 2:
+            return cpu_gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
@@ -227,12 +234,15 @@ def finalize_linear(
 ) -> Linear:
     """The module a loaded projection runs as: `QuantLinear` when it has a quantized form, the
     quantized path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernels' only
-    fast case), else its dense form (prepacked for oneDNN where that applies); with
-    `row_tiles` (deterministic inference), the dense form in `BatchInvariantLinear` (no quantized
-    form: its kernel runs a few rows only, so a row would change with the batch's size)."""
+    fast case), else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
+    the small-batch loop for a few rows); with `row_tiles` (deterministic inference), the dense
+    form in `BatchInvariantLinear` (no quantized form: its kernel runs a few rows only, so a row
+    would change with the batch's size; the tiles are never that small in fp32)."""
     big = OneDNNLinear.from_dense(dense) or dense
     if row_tiles is not None:
         return BatchInvariantLinear(big, row_tiles)
+    if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
+        dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     weight = dense.weight
     if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return big

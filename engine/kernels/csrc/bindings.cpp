@@ -26,6 +26,7 @@ torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
                           torch::Tensor weights);
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // This library's copy of ATen's once-per-thread thread-count init runs at its first parallel
@@ -52,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the quantized products and the fused layers release the GIL: the event loop runs meanwhile
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gemv_f32", &gemv_f32, "fp32 x [M <= 8, K] @ W.T (+ b), W streamed once (engine/kernels/cpu_gemv.py)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());
