@@ -112,7 +112,7 @@ class OneDNNLinear(nn.Module):
     @classmethod
     def from_dense(cls, dense: DenseLinear, rows_hint: int = 32) -> OneDNNLinear | None:
         """The prepacked form of a bf16 CPU `dense`, or None where prepacking does not apply (fp32
-        keeps `F.linear`: another BLAS, whose summation order the reference path relies on)."""
+        stays a `DenseLinear`: MKL's `F.linear`, and our small-batch loop for a few rows)."""
         weight = dense.weight
         if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16_available()):
             return None
