@@ -94,14 +94,15 @@ class ServerArgs:
     # Threads of the forward thread. None: on a CPU, the physical cores this process may use
     # (affinity, cgroup quota: engine/device/cpu_threads.py); the event-loop thread gets 1.
     torch_threads: int | None = None
-    # CPU + bf16 only: linears of inputs up to this many rows (decode batch size) use the packed
-    # 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights; more rows use the dense weights. 0 disables.
+    # CPU + bf16 or fp32 only: linears of inputs up to this many rows (decode batch size) use the
+    # packed 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights (and the Q8_0 kernel on its LM head,
+    # or on --torchao-config's blocks); more rows use the dense weights. 0 disables.
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None
     # SGLang's on-the-fly weight-only quantization of a Hugging Face checkpoint: "int8wo" or
     # "int4wo-<32|64|128|256>", into the forms our CPU kernels read (engine/layers/weight_quant.py;
-    # elsewhere than bf16 on a CPU the model computes densely with the quantized values); one rank.
+    # bf16 or fp32 on a CPU; elsewhere the model computes densely with the quantized values); one rank.
     # "" (default): the weights as stored.
     torchao_config: str = ""
     # SGLang's batch-invariant mode: a request's logits are bit-identical whatever else is in the
@@ -375,12 +376,12 @@ class ServerArgs:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}", "dtype") from None
 
     def resolved_q4_max_tokens(self) -> int | None:
-        """Rows up to which the packed 4-bit path runs; 0 where it does not apply (GPU, not bf16);
-        None: to be measured when the model loads."""
+        """Rows up to which the packed 4-bit path runs; 0 where it does not apply (GPU, neither
+        bf16 nor fp32); None: to be measured when the model loads."""
         value = self.q4_max_tokens
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidRequestError(f"q4_max_tokens must be an int >= 0, got {value!r}", "q4_max_tokens")
-        if self.resolved_device().type != "cpu" or self.resolved_dtype() != torch.bfloat16:
+        if self.resolved_device().type != "cpu" or self.resolved_dtype() not in (torch.bfloat16, torch.float32):
             return 0
         return value
 

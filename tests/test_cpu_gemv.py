@@ -105,7 +105,9 @@ def test_default_model_fp32_greedy_tokens_equal_transformers(default_source, def
     from engine.server_args import ServerArgs
     from tests.hf_reference import hf_greedy_outputs
 
-    args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=8192, max_running_requests=6)
+    # q4_max_tokens=0: the GGUF's dense weights, as a Hugging Face checkpoint's (with its blocks
+    # the layers and head take the quantized loops instead: test_cpu_quant_f32.py)
+    args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=8192, max_running_requests=6, q4_max_tokens=0)
     runner = ModelRunner(args, default_source)
     assert runner.model.lm_head.small_rows == cpu_gemv.MAX_ROWS
     calls, real = {"n": 0}, cpu_gemv.gemv

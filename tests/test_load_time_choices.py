@@ -62,13 +62,21 @@ def tiny_folder(tmp_path_factory):
 
 
 def test_fp32_is_the_reference_path(default_source):
-    """fp32: F.linear everywhere and torch elementwise ops (transformers parity); attention in the
-    C++ kernels (head size 64)."""
-    runner = _runner(default_source, dtype="float32")
+    """fp32: dense weights (F.linear, or our fp32 loop for a few rows) and torch elementwise ops
+    (transformers parity); attention in the C++ kernels (head size 64). A GGUF's 4-bit layers and
+    Q8_0 head keep their blocks for few rows where our fp32 loops are vectorized (the file's exact
+    values: tests/test_cpu_quant_f32.py), over the same dense forms."""
+    runner = _runner(default_source, dtype="float32", q4_max_tokens=0)
     model = runner.model
     assert all(type(p) is DenseLinear for p in _projections(model)) and type(model.lm_head) is DenseLinear
     assert not any(op.uses_cpu_kernel for op in _elementwise(model)) and not model.fused
     assert runner.attn_backend_name == "cpu" and runner.q4_max_tokens == 0
+    quant = _runner(default_source, dtype="float32", q4_max_tokens=4).model
+    if cpu_quant.vectorized(torch.float32):
+        forms = [*_projections(quant), quant.lm_head]
+        assert all(type(p) is QuantLinear and type(p.big) is DenseLinear and p.max_rows == 4 for p in forms)
+    else:
+        assert all(type(p) is DenseLinear for p in _projections(quant))
 
 
 @needs_fast_paths

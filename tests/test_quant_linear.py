@@ -29,7 +29,7 @@ from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.req import Req
-from engine.server_args import ServerArgs, cpu_has_native_bf16
+from engine.server_args import ServerArgs
 from server.cli import parse_args
 from tests.sched_harness import make_tiny_llama
 
@@ -215,7 +215,10 @@ def test_packed_model_close_to_dense(bf16_runners, default_tokenizer):
 
 def test_packed_path_off_where_it_must_be(default_source, tmp_path):
     assert _packed_count(_runner(default_source, dtype="bfloat16", q4_max_tokens=0)) == 0
-    assert _packed_count(_runner(default_source, dtype="float32", q4_max_tokens=8)) == 0
+    # fp32 takes our kernels (tests/test_cpu_quant_f32.py) where they are vectorized, else stays dense
+    fp32_packed = 4 * 30 if cpu_quant.vectorized(torch.float32) else 0
+    assert _packed_count(_runner(default_source, dtype="float32", q4_max_tokens=8)) == fp32_packed
+    assert _packed_count(_runner(default_source, dtype="float32", q4_max_tokens=0)) == 0
     folder = make_tiny_llama(tmp_path / "tiny")  # Hugging Face folder: no 4-bit weights exist
     tiny = _runner(resolve_model(str(folder)), dtype="bfloat16", q4_max_tokens=8)
     assert _packed_count(tiny) == 0
@@ -223,9 +226,10 @@ def test_packed_path_off_where_it_must_be(default_source, tmp_path):
     bf16 = {"dtype": "bfloat16"}  # dtype "auto" is float32 on a CPU without native bf16 (AVX2 only)
     cases = (
         (bf16, None),
-        ({}, None if cpu_has_native_bf16() else 0),
+        ({}, None),  # bf16 where the CPU has it, else fp32: both measured
         ({**bf16, "q4_max_tokens": 16}, 16),
-        ({"dtype": "float32"}, 0),
+        ({"dtype": "float32"}, None),
+        ({"dtype": "float16"}, 0),
         ({"device": "cuda"}, 0),
         ({"device": "cuda", "q4_max_tokens": 16}, 0),
         ({"q4_max_tokens": 0}, 0),
@@ -267,8 +271,10 @@ def test_linear_falls_back_to_dense(monkeypatch):
     monkeypatch.setattr(PackedInt4Weight, "matmul", refuse)
     for inp in (torch.randn(5, 64, generator=g).to(torch.bfloat16), x[:0]):  # rows > 4, empty
         assert torch.equal(q4_bias(inp), F.linear(inp, w, bias))
-    # fp32 (the reference path) never gets an int4 module: finalize keeps the dense weight (a few
-    # rows through the fp32 small-batch loop, test_cpu_gemv.py; more through F.linear itself).
+    # torch's int4pack form (fp16-inexact scales: not ours) takes bf16 only: an fp32 model keeps the
+    # dense weight (a few rows through the fp32 small-batch loop, test_cpu_gemv.py; more through
+    # F.linear itself). Our tiled form does take fp32 (tests/test_cpu_quant_f32.py).
+    assert isinstance(packed, PackedInt4Weight)
     fp32 = finalize_linear(_dense(w.float(), bias.float()), packed, 4)
     assert type(fp32) is DenseLinear
     torch.testing.assert_close(fp32(x.float()), F.linear(x.float(), w.float(), bias.float()))

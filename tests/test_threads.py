@@ -154,13 +154,16 @@ class FakeClock:
     [
         ({1: 0.009, 2: 0.007}, 1),  # a small model: every core saves 2 ms, less than the event loop costs
         ({1: 0.315, 2: 0.130}, 2),  # a 1B-class model: one core cannot stream its weights
+        ({1: 0.0106, 2: 0.0063}, 2),  # 4-bit fp32 on AVX2: 3.3 ms less, but to 0.59x of one core's pass
+        ({1: 0.0160, 2: 0.0125}, 1),  # 3.5 ms less, 0.78x: not core-bound enough to pay
     ],
 )
 def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
     """measure_small_step_threads times the model's one-row pass with each count, alternately,
     and keeps every core for small forwards only where that saves more than the event loop's
-    interruptions cost; the forward thread's count is restored; a model loaded again in the
-    process is answered from its first measurement."""
+    interruptions cost or cuts the pass to CORE_BOUND_RATIO of one core fewer's; the forward
+    thread's count is restored; a model loaded again in the process is answered from its first
+    measurement."""
     from engine.device import step_threads
 
     clock = FakeClock(cost_s)

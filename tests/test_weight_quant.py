@@ -1,7 +1,7 @@
 """Weight-only quantization of Hugging Face checkpoints at load (`--torchao-config`, issue 33):
 the quantization itself, the engine computing with exactly the quantized values (fp32 greedy
-tokens equal transformers' on the same dequantized weights), the quantized kernels in use in
-bf16, and the refusals."""
+tokens equal transformers' on the same dequantized weights, fp32 decode steps on the blocks), the
+quantized kernels in use in bf16, and the refusals."""
 
 from __future__ import annotations
 
@@ -78,15 +78,23 @@ def quantized_reference(hf, spec: str):
     [("llama", "int8wo"), ("llama", "int4wo-64"), ("phi3", "int4wo-32")],
 )
 def test_fp32_greedy_tokens_equal_transformers_on_the_quantized_values(family, spec, tmp_path):
-    """fp32 (no quantized kernel runs): the engine computes with exactly the quantized values,
-    fused q|k|v and gate|up parts included (Phi-3 splits its fused tensors before quantizing)."""
+    """fp32: the engine computes with exactly the quantized values, fused q|k|v and gate|up parts
+    included (Phi-3 splits its fused tensors before quantizing): decode steps of up to 8 rows on
+    the blocks through our fp32 kernels where they are vectorized (csrc/cpu_quant_gemv_f32.cpp),
+    16-row prefill chunks on the dequantized dense weights."""
     cfg = LlamaConfig(**SHAPE) if family == "llama" else Phi3Config(**SHAPE)
     hf = quantized_reference(save_random_model(cfg, INIT, tmp_path), spec)
     args = ServerArgs(
         model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=4096,
-        max_running_requests=8, chunked_prefill_size=16, torchao_config=spec,
+        max_running_requests=8, chunked_prefill_size=16, torchao_config=spec, q4_max_tokens=8,
     )  # fmt: skip
-    assert_scheduler_matches_transformers(ModelRunner(args), hf, f"{family} {spec}")
+    runner = ModelRunner(args)
+    if cpu_quant.vectorized(torch.float32):
+        form = Q8Weight if spec == "int8wo" else TiledQ4Weight
+        for layer in runner.model.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                assert isinstance(proj, QuantLinear) and isinstance(proj.packed, form) and proj.max_rows == 8
+    assert_scheduler_matches_transformers(runner, hf, f"{family} {spec}")
 
 
 @pytest.mark.parametrize("spec", ["int8wo", "int4wo-32", "int4wo-128"])

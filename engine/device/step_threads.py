@@ -25,6 +25,14 @@ SMALL_STEP_TOKENS = 8  # forwards of at most this many tokens are latency-bound 
 # interruptions: about what those cost a 2-thread step of the default model (the team waits
 # while the event loop's ~2-4 ms of work between steps runs on one of its cores).
 EVENT_LOOP_MARGIN_S = 0.004
+# ... or what every core must cut from the pass, as a fraction. On a 2-core AVX2 CPU (Zen 3) an
+# fp32 step runs Python between its kernels (no fused C++ decode loop), so the event loop's work
+# waits for the GIL whatever the thread count: a one-row pass of 10.6 ms on one thread and 6.3 ms
+# on two (saving 4.3 ms, at the margin's edge) was 42 tok/s single stream with one thread and
+# 62-65 with two (the default model's Q4_1 blocks; with its dense fp32 weights 20.7 vs 12.0 ms,
+# 27 vs 33 tok/s). A second core that cuts the pass to this fraction is streaming weights the
+# first could not, and that pays on every step.
+CORE_BOUND_RATIO = 0.75
 REPEATS = 3
 BUDGET_S = 2.0  # fewer repeats for a model whose one-row pass is slow
 
@@ -61,12 +69,13 @@ _measured: dict[tuple, int] = {}  # (the pass's key, full) -> the choice, per pr
 
 def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, key: Hashable = None) -> int:
     """The threads small forwards should run with: `full`, or `full - 1` where every core saves
-    less than EVENT_LOOP_MARGIN_S per step. `one_row_pass` runs a one-token step's weight reads
-    (every projection of the model on one row); it is timed with both counts, alternately (noise
-    on a shared machine only ever adds time, and alternation exposes both counts to it), the
-    minimum of each kept. Must run on the forward's own thread, whose count it restores. A
-    `key` (the model's projection forms and shapes) answers a later load of the same model in
-    this process from the first measurement (a test suite starts hundreds of engines)."""
+    less than EVENT_LOOP_MARGIN_S per step and leaves more than CORE_BOUND_RATIO of the pass.
+    `one_row_pass` runs a one-token step's weight reads (every projection of the model on one
+    row); it is timed with both counts, alternately (noise on a shared machine only ever adds
+    time, and alternation exposes both counts to it), the minimum of each kept. Must run on the
+    forward's own thread, whose count it restores. A `key` (the model's projection forms and
+    shapes) answers a later load of the same model in this process from the first measurement
+    (a test suite starts hundreds of engines)."""
     if full <= 1:
         return full
     if key is not None and (key, full) in _measured:
@@ -88,7 +97,9 @@ def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, ke
                     break
     finally:
         torch.set_num_threads(full)
-    choice = full if best[full - 1] - best[full] >= EVENT_LOOP_MARGIN_S else full - 1
+    fewer, every = best[full - 1], best[full]
+    every_core_pays = fewer - every >= EVENT_LOOP_MARGIN_S or every <= CORE_BOUND_RATIO * fewer
+    choice = full if every_core_pays else full - 1
     if key is not None:
         _measured[key, full] = choice
     log.info(

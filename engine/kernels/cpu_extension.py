@@ -36,6 +36,7 @@ SOURCES = (
     "cpu_elementwise.cpp",
     "cpu_argmax.cpp",
     "cpu_quant_gemv.cpp",
+    "cpu_quant_gemv_f32.cpp",
     "cpu_gemv.cpp",
     "cpu_decode_layers.cpp",
     "cpu_lora.cpp",

@@ -1,14 +1,19 @@
-"""Small-batch products with block-quantized weights on CPUs (csrc/cpu_quant_gemv.cpp).
+"""Small-batch products with block-quantized weights on CPUs (csrc/cpu_quant_gemv.cpp for bf16
+activations, csrc/cpu_quant_gemv_f32.cpp for fp32 ones).
 
-`y = x @ W.T` for a bf16 x of a few rows, W kept in a GGUF file's own blocks: 4-bit
+`y = x @ W.T` for an x of a few rows, W kept in a GGUF file's own blocks: 4-bit
 (Q4_0/Q4_1: code, fp16 scale and offset per 32 weights) or 8-bit (Q8_0: int8 code, fp16 scale).
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
-memory bandwidth; these loops unpack so cheaply that the read is the bound (torch's int4pack
-kernel is compute-bound at ~40% of one core's bandwidth on the development machine).
+memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bound (torch's
+int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
+takes bf16 only).
 
-Any row count works; each 8 rows are one pass over the weights. The layers use these products
-only where the vector loops were compiled (`vectorized()`: AVX512-BF16, -BW and -VL); elsewhere
-the int4 layers keep torch's int4pack kernel and the LM head stays dense.
+Any row count works. x's dtype picks the loops: bf16 x (output bf16) or fp32 x (output fp32, the
+weights' exact values with fp32 sums of the loop's own order; each row's result independent of
+the other rows and the thread count). The layers use a dtype's products only where its vector
+loops were compiled (`vectorized(dtype)`: bf16 needs AVX512-BF16, -BW and -VL; fp32 needs AVX2,
+FMA and F16C, or AVX-512F); elsewhere the int4 layers keep torch's int4pack kernel (bf16) or run
+dense.
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ CHUNK = 64  # weights per 32 packed bytes: K must be a multiple of this
 TILE = 16  # 4-bit rows per tile (one per fp32 lane)
 
 
-def vectorized() -> bool:
-    """Whether the extension is built and runs these products with vector instructions here."""
+def vectorized(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the extension is built and runs these products for `dtype` activations (bf16 or
+    fp32) with vector instructions here."""
     module = load()
-    return module is not None and bool(module.quant_gemv_vectorized())
+    if module is None:
+        return False
+    if dtype == torch.float32:
+        return bool(module.quant_gemv_f32_vectorized())
+    return dtype == torch.bfloat16 and bool(module.quant_gemv_vectorized())
 
 
 def exact_in_fp16(t: torch.Tensor) -> bool:
@@ -76,11 +86,16 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
 
 
 def q4_gemv(x: torch.Tensor, w: Q4Packed, vector: bool = True) -> torch.Tensor:
-    """bf16 `[M, K] @ W.T` -> `[M, N]`. `vector=False` runs the plain loops (the tests' reference)."""
-    return module_or_raise().q4_gemv(x, w.codes, w.scales, w.offsets, w.out_features, vector)
+    """bf16 or fp32 `[M, K] @ W.T` -> `[M, N]` of x's dtype. `vector=False` runs the plain loops
+    (the tests' reference; for fp32 the same sums in the same order, so equal to the bit)."""
+    module = module_or_raise()
+    fn = module.q4_gemv_f32 if x.dtype == torch.float32 else module.q4_gemv
+    return fn(x, w.codes, w.scales, w.offsets, w.out_features, vector)
 
 
 def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, vector: bool = True) -> torch.Tensor:
-    """bf16 `[M, K] @ W.T` -> `[M, N]`, W[n, k] = scales[n, k/32] * codes[n, k] (Q8_0).
-    `vector=False` runs the plain loops (the tests' reference)."""
-    return module_or_raise().q8_gemv(x, codes, scales, vector)
+    """bf16 or fp32 `[M, K] @ W.T` -> `[M, N]` of x's dtype, W[n, k] = scales[n, k/32] * codes[n, k]
+    (Q8_0). `vector=False` runs the plain loops (the tests' reference)."""
+    module = module_or_raise()
+    fn = module.q8_gemv_f32 if x.dtype == torch.float32 else module.q8_gemv
+    return fn(x, codes, scales, vector)

@@ -8,8 +8,9 @@ count; this module only knows the weights.
 Two kernels, in order of preference (`Q4Blocks.pack`):
 - ours (`TiledQ4Weight`, engine/kernels/cpu_quant.py): the blocks' own fp16 scales and offsets,
   bandwidth-bound on one core (~35 GB/s cold on the development machine, against ~16 for
-  torch's); needs the extension built with AVX512-BF16, and K a multiple of 64.
-- torch's int4pack kernel (`PackedInt4Weight`) everywhere else it applies.
+  torch's); K a multiple of 64. bf16 activations need the extension built with AVX512-BF16;
+  fp32 ones (the exact dequantized values, an fp32 model's decode) AVX2 + FMA + F16C.
+- torch's int4pack kernel (`PackedInt4Weight`) everywhere else it applies (bf16 only).
 
 torch's kernel's contract, found empirically on torch 2.13 CPU (tests/test_quant_linear.py pins it):
 
@@ -48,8 +49,11 @@ def torch_int4_kernel_available() -> bool:
     )
 
 
-def int4_kernel_available() -> bool:
-    """Whether some 4-bit CPU kernel is here: ours (vectorized build) or torch's int4pack."""
+def int4_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether some 4-bit CPU kernel for `dtype` activations is here: ours (vectorized build) or,
+    for bf16, torch's int4pack."""
+    if dtype == torch.float32:
+        return cpu_quant.vectorized(torch.float32)
     return cpu_quant.vectorized() or torch_int4_kernel_available()
 
 
@@ -85,16 +89,16 @@ class Q4Blocks:
         q = torch.cat([p.q for p in parts])
         return Q4Blocks(q, torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]), group)
 
-    def pack(self) -> TiledQ4Weight | PackedInt4Weight | None:
-        """The fastest kernel form this weight can take here (see the module docstring), or None
-        when no kernel can take it (the weight stays dense)."""
+    def pack(self, dtype: torch.dtype = torch.bfloat16) -> TiledQ4Weight | PackedInt4Weight | None:
+        """The fastest kernel form this weight can take here for a model computing in `dtype`
+        (see the module docstring), or None when no kernel can take it (the weight stays dense)."""
         k = self.q.shape[1]
-        if cpu_quant.vectorized() and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:
+        if cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:
             per_block = self.group_size // cpu_quant.BLOCK  # our kernel scales every 32 weights
             scale, offset = (t.repeat_interleave(per_block, dim=1) for t in (self.scale, self.offset))
             if cpu_quant.exact_in_fp16(scale) and cpu_quant.exact_in_fp16(offset):
                 return TiledQ4Weight(cpu_quant.q4_pack(self.q, scale, offset))
-        return self.pack_torch()
+        return self.pack_torch() if dtype == torch.bfloat16 else None
 
     def pack_torch(self) -> PackedInt4Weight | None:
         """torch's int4pack form, or None when that kernel cannot take this shape."""
@@ -111,7 +115,7 @@ class Q4Blocks:
 
 @dataclass
 class TiledQ4Weight:
-    """A 4-bit weight in our kernel's tiled layout (engine/kernels/cpu_quant.py; bf16 inputs)."""
+    """A 4-bit weight in our kernel's tiled layout (engine/kernels/cpu_quant.py; bf16 or fp32 inputs)."""
 
     tiles: cpu_quant.Q4Packed
 
@@ -128,7 +132,7 @@ class TiledQ4Weight:
         return self.tiles.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a bf16 x of shape [..., K]."""
+        """x @ W.T for a bf16 or fp32 x of shape [..., K]."""
         rows = x.numel() // self.in_features
         out = cpu_quant.q4_gemv(x.reshape(rows, self.in_features).contiguous(), self.tiles)
         return out.view(*x.shape[:-1], self.out_features)

@@ -103,12 +103,13 @@ def _side_time(
     return time.perf_counter() - start
 
 
-def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
+def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = torch.bfloat16) -> int:
     """The largest row count for which the int4 kernel is faster than the dense forms, summed over
-    (a cache-defeating prefix of) `linears`; 0 when the int4 kernel loses even for one row."""
+    (a cache-defeating prefix of) `linears` with `dtype` inputs (the model's); 0 when the int4
+    kernel loses even for one row."""
     chosen = cold_cache_prefix(linears)
     shapes = tuple((m.out_features, m.in_features, type(m.packed).__name__, type(m.big).__name__) for m in chosen)
-    key = (shapes, torch.get_num_threads())
+    key = (shapes, str(dtype), torch.get_num_threads())
     if key in _cache:
         return _cache[key]
     started = time.perf_counter()
@@ -121,9 +122,7 @@ def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
     prev_rows, prev_gain, result = 0, 0.0, CANDIDATE_ROWS[-1]
     with torch.inference_mode():
         for rows in CANDIDATE_ROWS:
-            inputs = {
-                k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in {m.in_features for m in chosen}
-            }
+            inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
             xs = [inputs[m.in_features] for m in chosen]
             _side_time(int4_fns, xs, None)  # warm-up: first calls at a new shape allocate and plan
             _side_time(dense_fns, xs, None)
@@ -140,7 +139,8 @@ def measure_int4_crossover(linears: Sequence[QuantLinear]) -> int:
                 result = rows
                 break
     log.info(
-        "int4 vs dense crossover: %d rows (%d projections timed%s in %.2f s, %d threads)",
+        "quantized vs dense crossover (%s): %d rows (%d projections timed%s in %.2f s, %d threads)",
+        str(dtype).removeprefix("torch."),
         result,
         len(chosen),
         " cold" if cached else "",

@@ -11,9 +11,10 @@
   batch 1 to 64) with bit-identical results.
 - `QuantLinear`: a GGUF block-quantized weight (4-bit layer weights, int4.py; the Q8_0 LM head,
   q8.py) through a quantized CPU kernel for inputs of at most `max_rows` rows, where reading a
-  quarter (half) of the bytes wins; its dense form (`big`, one of the two above) for more rows,
-  where the kernel's per-row cost loses. That row-count choice is this module's job; where the
-  crossover lies is measured at start-up (int4_crossover.py).
+  quarter (half) of a bf16 weight's bytes wins (an eighth, a quarter of an fp32 one's); its dense
+  form (`big`, one of the two above) for more rows, where the kernel's per-row cost loses. That
+  row-count choice is this module's job; where the crossover lies is measured at start-up
+  (int4_crossover.py).
 
 - `BatchInvariantLinear` (`--enable-deterministic-inference`): the dense form called on exactly
   `rows` rows at a time, so a row's result never depends on the batch around it (see the class).
@@ -233,8 +234,8 @@ def finalize_linear(
     dense: DenseLinear, packed: QuantWeight | None, q4_max_rows: int, row_tiles: RowTiles | None = None
 ) -> Linear:
     """The module a loaded projection runs as: `QuantLinear` when it has a quantized form, the
-    quantized path is on (`q4_max_rows > 0`) and the model is bf16 on a CPU (the kernels' only
-    fast case), else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
+    quantized path is on (`q4_max_rows > 0`) and the model is bf16 or (our kernels only) fp32 on
+    a CPU, else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
     the small-batch loop for a few rows); with `row_tiles` (deterministic inference), the dense
     form in `BatchInvariantLinear` (no quantized form: its kernel runs a few rows only, so a row
     would change with the batch's size; the tiles are never that small in fp32)."""
@@ -244,7 +245,9 @@ def finalize_linear(
     if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
         dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     weight = dense.weight
-    if packed is None or q4_max_rows <= 0 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    ours = isinstance(packed, (TiledQ4Weight, Q8Weight))  # torch's int4pack form takes bf16 only
+    dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)
+    if packed is None or q4_max_rows <= 0 or weight.dtype not in dtypes or weight.device.type != "cpu":
         return big
     return QuantLinear(packed, big, q4_max_rows)
 

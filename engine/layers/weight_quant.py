@@ -17,10 +17,11 @@ What runs: exactly what a GGUF of that form runs (linear.QuantLinear). Every dec
 projection keeps its quantized form for a forward of up to the measured crossover rows
 (int4_crossover.py) and its dense bf16 form, whose values are the quantized weights dequantized,
 above it, so a prefill and a decode compute with the same weights. The embedding, the LM head,
-norms and MoE experts stay as stored. The kernels run bf16 on a CPU; with another dtype or
-device (fp32: measuring what quantization costs in accuracy against transformers on the same
-values), or with deterministic inference (dense only), the model computes densely with the
-quantized values. One rank only (ServerArgs refuses tensor parallelism: a row-parallel slice
+norms and MoE experts stay as stored. The kernels run bf16 or fp32 on a CPU (fp32: the exact
+quantized values, so transformers on the same values is the reference, and on a CPU without
+bf16 instructions the decode reads an eighth or a quarter of the dense fp32 bytes); on another
+device or dtype, or with deterministic inference (dense only), the model computes densely with
+the quantized values. One rank only (ServerArgs refuses tensor parallelism: a row-parallel slice
 would put the groups at other columns). A GGUF is refused: it is quantized already.
 Weight updates: `update_weights_from_disk` quantizes the new checkpoint as it loads;
 `update_weights_from_tensor` serves a trainer's values as given (dense), as for a GGUF.

@@ -208,7 +208,7 @@ class ModelRunner(RunnerWeights):
         """
         cfg, source = self.model_config, source or self.source
         model = MODEL_CLASSES[cfg.architecture](cfg, source.hf_config, self.device, self.dtype, self.tp).eval()
-        want_q4 = q4_max_tokens != 0 and int4_kernel_available()
+        want_q4 = q4_max_tokens != 0 and int4_kernel_available(self.dtype)
         quant = WeightOnlyQuant.parse(self.args.torchao_config)  # verified by ServerArgs
         if quant is not None and source.gguf_file is not None:
             raise InvalidServerArgsError(

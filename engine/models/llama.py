@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
             if self.shard.zero_bias(name):
                 tensor = torch.zeros_like(tensor)
             if name == head_name and isinstance(blocks, Q8Blocks) and self.tp.size == 1:
-                form = blocks.pack()
+                form = blocks.pack(self.embed_tokens.weight.dtype)
                 if form is not None and form.out_features == self.lm_head.out_features:
                     packed["lm_head"] = form
             target = self.weight_target(name)
@@ -297,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
             ordered = [have[s] for s in sorted(have)]
             first = ordered[0]
             if first is not None and all(type(b) is type(first) for b in ordered):  # one kind, none missing
-                form = type(first).cat(ordered).pack()
+                form = type(first).cat(ordered).pack(self.embed_tokens.weight.dtype)
                 if form is not None:
                     packed[path] = form
 
@@ -357,8 +357,10 @@ class LlamaForCausalLM(nn.Module):
         quant = [(name, m) for name, m in self.named_modules() if isinstance(m, QuantLinear)]
         layers = [(name, m) for name, m in quant if name != "lm_head"]
         head = [(name, m) for name, m in quant if name == "lm_head"]
-        rows = measure_int4_crossover([m for _, m in layers]) if layers else 0
-        for group, bound in ((layers, rows), (head, measure_int4_crossover([m for _, m in head]) if head else 0)):
+        dtype = weight.dtype  # the inputs' (fp32 and bf16 run different loops)
+        rows = measure_int4_crossover([m for _, m in layers], dtype) if layers else 0
+        head_rows = measure_int4_crossover([m for _, m in head], dtype) if head else 0
+        for group, bound in ((layers, rows), (head, head_rows)):
             for name, m in group:
                 if bound > 0:
                     m.max_rows = bound

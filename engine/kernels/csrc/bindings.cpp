@@ -22,6 +22,10 @@ bool quant_gemv_vectorized();
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+bool quant_gemv_f32_vectorized();
+torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out, bool vectorized);
+torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
@@ -56,6 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_f32", &gemv_f32, "fp32 x [M <= 8, K] @ W.T (+ b), W streamed once (engine/kernels/cpu_gemv.py)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
+  m.def("quant_gemv_f32_vectorized", &quant_gemv_f32_vectorized,
+        "whether q4_gemv_f32/q8_gemv_f32 run their vector loops here (AVX2+FMA+F16C or AVX-512F)");
+  m.def("q4_gemv_f32", &q4_gemv_f32, "fp32 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_gemv_f32", &q8_gemv_f32, "fp32 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 tokens (engine/layers/moe.py)",

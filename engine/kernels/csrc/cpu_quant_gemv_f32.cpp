@@ -1,0 +1,354 @@
+// Block-quantized products for fp32 activations on CPUs: y = x @ W.T with x fp32 [M, K] (a few
+// rows) and W in the same blocks as cpu_quant_gemv.cpp (4-bit tiles of q4_pack; Q8_0 codes and
+// scales). The weights are a GGUF file's (or --torchao-config's) exact values, dequantized by an
+// exact conversion of each code; only the order of the fp32 sums is this file's own.
+//
+// Why: an fp32 model on a CPU without oneDNN's bf16 kernels (AVX2 only) streams 4 bytes a weight
+// each decode step; the default model's Q4_1 layers and Q8_0 head hold 5/8 and 17/16 of a byte.
+// These loops need only AVX2 + FMA + F16C (or AVX-512F), and each weight costs a few vector
+// instructions: the read of the blocks, not the arithmetic, is what a step pays.
+//
+// 4-bit: for a tile (16 rows), block b and pair index j, the 32 bytes of codes hold rows 0..15's
+// weights 2j, 2j+1 (low nibbles) and 2j+16, 2j+17 (high nibbles), byte 2i+e for row i. Read as 16
+// uint16 lanes (one per row), two masks and two shifts give the four weights' codes of every row,
+// converted exactly to fp32 and multiplied by the broadcast x. Per row and block:
+//   lo = sum over j of (c[2j] x[2j], then c[2j+1] x[2j+1]), hi likewise over 2j+16, 2j+17;
+//   acc = fma(lo + hi, d, acc); acc = fma(m, sum(x over the block), acc)
+// which is sum_j (d c_j + m) x_j. The scalar loop (`vectorized` false) computes exactly this in the
+// same order, so the two agree to the bit (tests/test_cpu_quant_f32.py).
+//
+// 8-bit: each output row's codes meet x in vectors of the machine's width, one partial sum per
+// lane over the block (a product, then fused multiply-adds), scaled into the lane's accumulator by
+// the block's d; the lanes are summed in order at the end. The scalar loop keeps the same lanes.
+//
+// Every result is a function of its own row of x (no count of rows, position or thread count
+// changes it), and every multiply-add is written out (native::fmadd, std::fma): the compiler's
+// contraction cannot give two copies of a loop two roundings.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "vec_native.h"
+
+using namespace asyncllm;
+using native::vf;
+using native::vh;
+using fp16 = c10::Half;
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // weights per scale
+constexpr int64_t kTile = 16;       // 4-bit rows per tile
+constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block
+constexpr int64_t kW = native::kWidth;
+constexpr int kHalves = kTile / kW;  // vectors per tile's 16 rows
+// Rows of x per pass over a tile's codes: the accumulators of a pass must stay in registers
+// (AVX2 has 16; a pass of G rows holds 2 * 2 * G block sums and 2 * G accumulators).
+constexpr int kGroup = kW == 16 ? 4 : 2;
+constexpr int64_t kPrefetchBytes = 8192;  // as cpu_quant_gemv.cpp: a cold read's stride ahead
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+constexpr bool kVectorized = true;
+#else
+constexpr bool kVectorized = false;
+#endif
+
+inline vf load_half(const fp16* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf v;
+  for (int i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// A tile half's 16-bit code pairs (kW rows, 2 bytes each), each widened to a 32-bit lane: then
+// every code is one shift and one mask away from an exact int -> fp32 conversion, with no more
+// widening per code (one widening per 2 bytes instead of one per byte halved the loop's work).
+inline native::vu load_pairs(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (native::vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__)
+  return (native::vu)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, native::vu);
+#endif
+}
+
+inline vf as_float(native::vu codes) { return __builtin_convertvector((native::vi)codes, vf); }
+
+// sum of x over each 32-wide block, in order: sx[m * nb + b]
+void block_sums(const float* x, int64_t m_rows, int64_t k, float* sx) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < kBlock; ++j) s += x[m * k + b * kBlock + j];
+      sx[m * nb + b] = s;
+    }
+}
+
+// ---- 4-bit ----------------------------------------------------------------------------------
+
+void q4_tile_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
+                    const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+  const int64_t nb = k / kBlock;
+  for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = codes + (t * nb + b) * kTileBlock;
+        const float* xb = x + m * k + b * kBlock;
+        float lo = 0.0f, hi = 0.0f;
+        for (int64_t j = 0; j < 8; ++j) {
+          const uint8_t even = block[j * 32 + 2 * i], odd = block[j * 32 + 2 * i + 1];
+          lo = std::fma(static_cast<float>(even & 15), xb[2 * j], lo);
+          lo = std::fma(static_cast<float>(odd & 15), xb[2 * j + 1], lo);
+          hi = std::fma(static_cast<float>(even >> 4), xb[2 * j + 16], hi);
+          hi = std::fma(static_cast<float>(odd >> 4), xb[2 * j + 17], hi);
+        }
+        const int64_t at = (t * nb + b) * kTile + i;
+        acc = std::fma(lo + hi, static_cast<float>(scales[at]), acc);
+        acc = std::fma(static_cast<float>(offsets[at]), sx[m * nb + b], acc);
+      }
+      y[m * n_out + t * kTile + i] = acc;
+    }
+}
+
+// One tile against M rows of x, U blocks in flight (more independent chains for few rows). (Two
+// passes of 8 rows each over a tile's codes, to keep every block sum in AVX2's registers, ran
+// slower: they broadcast each x twice.)
+template <int M, int U>
+void q4_tile(const float* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
+             const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+  const int64_t nb = k / kBlock;
+  vf acc[M][kHalves];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kHalves; ++r) acc[m][r] = native::broadcast(0.0f);
+  for (int64_t b = 0; b < nb; b += U) {  // nb is even: K is a multiple of 64
+    vf lo[U][M][kHalves], hi[U][M][kHalves];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < kHalves; ++r) lo[u][m][r] = hi[u][m][r] = native::broadcast(0.0f);
+    for (int j = 0; j < 8; ++j)
+      for (int u = 0; u < U; ++u) {
+        const uint8_t* p = codes + ((t * nb + b + u) * 8 + j) * 32;
+        __builtin_prefetch(p + kPrefetchBytes);
+        for (int r = 0; r < kHalves; ++r) {
+          const native::vu h = load_pairs(p + r * 2 * kW);  // bits 0-3: weight 2j, 8-11: 2j+1, 4-7, 12-15: +16
+          const vf c0 = as_float(h & 15u), c1 = as_float((h >> 8) & 15u);
+          const vf c2 = as_float((h >> 4) & 15u), c3 = as_float(h >> 12);
+          for (int m = 0; m < M; ++m) {
+            const float* xb = x + m * k + (b + u) * kBlock + 2 * j;
+            lo[u][m][r] = native::fmadd(c0, native::broadcast(xb[0]), lo[u][m][r]);
+            lo[u][m][r] = native::fmadd(c1, native::broadcast(xb[1]), lo[u][m][r]);
+            hi[u][m][r] = native::fmadd(c2, native::broadcast(xb[16]), hi[u][m][r]);
+            hi[u][m][r] = native::fmadd(c3, native::broadcast(xb[17]), hi[u][m][r]);
+          }
+        }
+      }
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < kHalves; ++r) {
+        const int64_t at = (t * nb + b + u) * kTile + r * kW;
+        const vf d = load_half(scales + at), o = load_half(offsets + at);
+        for (int m = 0; m < M; ++m) {
+          acc[m][r] = native::fmadd(lo[u][m][r] + hi[u][m][r], d, acc[m][r]);
+          acc[m][r] = native::fmadd(o, native::broadcast(sx[m * nb + b + u]), acc[m][r]);
+        }
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kHalves; ++r) {
+      const int64_t row = t * kTile + r * kW, live = std::min<int64_t>(kW, n_out - row);
+      if (live == kW)
+        std::memcpy(y + m * n_out + row, &acc[m][r], sizeof(vf));
+      else
+        for (int64_t i = 0; i < live; ++i) y[m * n_out + row + i] = acc[m][r][i];
+    }
+}
+
+void q4_group(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
+              const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+  switch (m_rows) {
+    case 1: return q4_tile<1, 2>(x, sx, k, codes, scales, offsets, y, n_out, t);
+    case 2: return q4_tile<2, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
+    case 3: return q4_tile<3, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
+    default: return q4_tile<kGroup, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
+  }
+}
+
+// ---- 8-bit ----------------------------------------------------------------------------------
+
+constexpr int64_t kLanesPerBlock = kBlock / kW;
+
+inline vf load_codes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, float* y,
+                   int64_t n_total, int64_t n) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float acc[kW] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* c = codes + n * k + b * kBlock;
+      const float* xb = x + m * k + b * kBlock;
+      const float d = static_cast<float>(scales[n * nb + b]);
+      for (int64_t l = 0; l < kW; ++l) {
+        float s = static_cast<float>(c[l]) * xb[l];
+        for (int64_t v = 1; v < kLanesPerBlock; ++v) s = std::fma(static_cast<float>(c[v * kW + l]), xb[v * kW + l], s);
+        acc[l] = std::fma(s, d, acc[l]);
+      }
+    }
+    float sum = acc[0];
+    for (int64_t l = 1; l < kW; ++l) sum += acc[l];
+    y[m * n_total + n] = sum;
+  }
+}
+
+template <int M, int R>
+void q8_tile(const float* x, int64_t k, const int8_t* codes, const fp16* scales, float* y, int64_t n_total,
+             int64_t n) {
+  const int64_t nb = k / kBlock;
+  vf acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = native::broadcast(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    vf w[R][kLanesPerBlock], d[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* p = codes + (n + r) * k + b * kBlock;
+      __builtin_prefetch(p + kPrefetchBytes);
+      for (int v = 0; v < kLanesPerBlock; ++v) w[r][v] = load_codes(p + v * kW);
+      d[r] = native::broadcast(static_cast<float>(scales[(n + r) * nb + b]));
+    }
+    for (int m = 0; m < M; ++m) {
+      vf xv[kLanesPerBlock];
+      for (int v = 0; v < kLanesPerBlock; ++v) xv[v] = native::load(x + m * k + b * kBlock + v * kW);
+      for (int r = 0; r < R; ++r) {
+        vf s = w[r][0] * xv[0];
+        for (int v = 1; v < kLanesPerBlock; ++v) s = native::fmadd(w[r][v], xv[v], s);
+        acc[m][r] = native::fmadd(s, d[r], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * n_total + n + r] = native::hsum(acc[m][r]);
+}
+
+template <int M>
+void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const fp16* scales, float* y, int64_t n_total,
+               int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : 2;  // output rows per pass: their codes and M x R accumulators in registers
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, scales, y, n_total, n);
+  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, scales, y, n_total, n);
+}
+
+void q8_group(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, float* y,
+              int64_t n_total, int64_t n0, int64_t n1) {
+  switch (m_rows) {
+    case 1: return q8_rows_m<1>(x, k, codes, scales, y, n_total, n0, n1);
+    case 2: return q8_rows_m<2>(x, k, codes, scales, y, n_total, n0, n1);
+    case 3: return q8_rows_m<3>(x, k, codes, scales, y, n_total, n0, n1);
+    default: return q8_rows_m<kGroup>(x, k, codes, scales, y, n_total, n0, n1);
+  }
+}
+
+// Work per parallel task: ~64 KB of blocks, so a decode step's projections use every thread (as
+// cpu_gemv.cpp's bands; the bf16 loops' 256 KB kept a 576 x 576 projection on one thread).
+int64_t grain(int64_t unit_bytes) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(unit_bytes, 1)); }
+
+void check_x(const torch::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, op, ": x must be float32 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, op, ": x must be contiguous [M, K]");
+  TORCH_CHECK(x.size(0) >= 1, op, ": at least one row");
+  TORCH_CHECK(k % (2 * kBlock) == 0, op, ": K must be a multiple of 64");
+}
+
+}  // namespace
+
+bool quant_gemv_f32_vectorized() { return kVectorized; }
+
+// y [M, n_out] fp32 = x [M, K] @ W.T, W in q4_pack's layout (codes uint8 [T, K/32, 8, 32], fp16
+// scales and offsets [T, K/32, 16]).
+torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out, bool vectorized) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+                  codes.dim() == 4 && codes.size(2) == 8 && codes.size(3) == 32,
+              "q4_gemv_f32: codes uint8 [T, K/32, 8, 32]");
+  const int64_t tiles = codes.size(0), nb = codes.size(1), k = nb * kBlock, rows = x.size(0);
+  TORCH_CHECK(n_out > (tiles - 1) * kTile && n_out <= tiles * kTile, "q4_gemv_f32: n_out must fill the last tile");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                    t->size(1) == nb && t->size(2) == kTile,
+                "q4_gemv_f32: fp16 scales and offsets [T, K/32, 16]");
+  check_x(x, k, "q4_gemv_f32");
+  auto y = torch::empty({rows, n_out}, x.options());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  const auto* op = offsets.data_ptr<at::Half>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> sx(rows * nb);
+  block_sums(xp, rows, k, sx.data());
+  // A task takes each of its tiles through every group of rows of x in turn: the tile's codes
+  // (8 K bytes) stay in L1 between groups.
+  auto task = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
+        const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
+        if (vectorized && kVectorized)
+          q4_group(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp + m0 * n_out, n_out, t);
+        else
+          q4_tile_scalar(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp + m0 * n_out, n_out, t);
+      }
+  };
+  at::parallel_for(0, tiles, grain(kTile * k / 2), task);
+  return y;
+}
+
+// y [M, N] fp32 = x [M, K] @ W.T, W = Q8_0 blocks (codes int8 [N, K], fp16 scales [N, K/32]).
+torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
+                  codes.dim() == 2,
+              "q8_gemv_f32: codes int8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0), nb = k / kBlock;
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == nb,
+              "q8_gemv_f32: fp16 scales [N, K/32]");
+  check_x(x, k, "q8_gemv_f32");
+  auto y = torch::empty({rows, n}, x.options());
+  const auto* cp = codes.data_ptr<int8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto task = [&](int64_t n0, int64_t n1) {  // a task's rows (~64 KB) stay in L2 across groups
+    for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
+      const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
+      if (vectorized && kVectorized)
+        q8_group(xp + m0 * k, m_rows, k, cp, sp, yp + m0 * n, n, n0, n1);
+      else
+        for (int64_t r = n0; r < n1; ++r) q8_row_scalar(xp + m0 * k, m_rows, k, cp, sp, yp + m0 * n, n, r);
+    }
+  };
+  at::parallel_for(0, n, grain(k), task);
+  return y;
+}
