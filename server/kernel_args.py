@@ -25,14 +25,14 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="torch threads of the forward thread (default on a CPU: the physical cores this process may "
         "use; forwards of a few tokens then run with one fewer where the model is small enough that the "
-        "event loop's core is worth more, measured at start-up)",
+        "event loop's core is worth more, measured at start-up per model and forward form)",
     )
     g.add_argument(
         "--q4-max-tokens",
         type=non_negative_int,
-        help="CPU, bfloat16: forward passes of up to this many tokens run the linears on their quantized "
-        "form (a GGUF's 4-bit blocks, or --torchao-config's); 0 disables (default: the crossover with "
-        "the dense matmul, measured at start-up)",
+        help="CPU, bfloat16 or float32: forward passes of up to this many tokens run the linears on their "
+        "quantized form (a GGUF's 4-bit blocks and Q8_0 head, or --torchao-config's); 0 disables "
+        "(default: the crossover with the dense matmul, measured at start-up)",
     )
     g.add_argument(
         "--disable-fused-decode",

@@ -22,17 +22,18 @@ log = logging.getLogger(__name__)
 
 SMALL_STEP_TOKENS = 8  # forwards of at most this many tokens are latency-bound (decode of a few streams)
 # What a step on every core must save against one core fewer before it is worth the event loop's
-# interruptions: about what those cost a 2-thread step of the default model (the team waits
-# while the event loop's ~2-4 ms of work between steps runs on one of its cores).
+# interruptions, where a small forward is one GIL-free C++ call (the fused decode loop), so the
+# event loop really runs beside it on the core left free: about what those interruptions cost a
+# 2-thread step of the default model (the team waits while the event loop's ~2-4 ms of work
+# between steps runs on one of its cores).
 EVENT_LOOP_MARGIN_S = 0.004
-# ... or what every core must cut from the pass, as a fraction. On a 2-core AVX2 CPU (Zen 3) an
-# fp32 step runs Python between its kernels (no fused C++ decode loop), so the event loop's work
-# waits for the GIL whatever the thread count: a one-row pass of 10.6 ms on one thread and 6.3 ms
-# on two (saving 4.3 ms, at the margin's edge) was 42 tok/s single stream with one thread and
-# 62-65 with two (the default model's Q4_1 blocks; with its dense fp32 weights 20.7 vs 12.0 ms,
-# 27 vs 33 tok/s). A second core that cuts the pass to this fraction is streaming weights the
-# first could not, and that pays on every step.
-CORE_BOUND_RATIO = 0.75
+# Where a small forward runs Python between its kernels (no fused loop: fp32, or a layer shape the
+# loop lacks), the event loop's work waits for the GIL the forward holds between ops whatever the
+# thread count, so leaving a core free buys little: every core is kept if it cuts the pass by this
+# fraction. Measured on a 2-core AVX2 CPU (Zen 3), default model in fp32: one-row passes of 10.6 ms
+# on one thread and 6.3 ms on two (4.3 ms, at the margin above's edge) ran single stream at 42 and
+# 62-65 tok/s; with its dense fp32 weights 20.7 vs 12.0 ms, 27 vs 33 tok/s.
+PYTHON_STEP_MARGIN = 0.1
 REPEATS = 3
 BUDGET_S = 2.0  # fewer repeats for a model whose one-row pass is slow
 
@@ -67,9 +68,12 @@ class StepThreads:
 _measured: dict[tuple, int] = {}  # (the pass's key, full) -> the choice, per process
 
 
-def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, key: Hashable = None) -> int:
+def measure_small_step_threads(
+    one_row_pass: Callable[[], object], full: int, key: Hashable = None, gil_free: bool = True
+) -> int:
     """The threads small forwards should run with: `full`, or `full - 1` where every core saves
-    less than EVENT_LOOP_MARGIN_S per step and leaves more than CORE_BOUND_RATIO of the pass.
+    less than EVENT_LOOP_MARGIN_S per step (`gil_free`: a small forward is one GIL-free call) or
+    less than PYTHON_STEP_MARGIN of the pass (a forward in Python between its kernels).
     `one_row_pass` runs a one-token step's weight reads (every projection of the model on one
     row); it is timed with both counts, alternately (noise on a shared machine only ever adds
     time, and alternation exposes both counts to it), the minimum of each kept. Must run on the
@@ -78,6 +82,7 @@ def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, ke
     (a test suite starts hundreds of engines)."""
     if full <= 1:
         return full
+    key = None if key is None else (key, gil_free)
     if key is not None and (key, full) in _measured:
         return _measured[key, full]
     started = perf_counter()
@@ -98,8 +103,8 @@ def measure_small_step_threads(one_row_pass: Callable[[], object], full: int, ke
     finally:
         torch.set_num_threads(full)
     fewer, every = best[full - 1], best[full]
-    every_core_pays = fewer - every >= EVENT_LOOP_MARGIN_S or every <= CORE_BOUND_RATIO * fewer
-    choice = full if every_core_pays else full - 1
+    margin = EVENT_LOOP_MARGIN_S if gil_free else PYTHON_STEP_MARGIN * fewer
+    choice = full if fewer - every >= margin else full - 1
     if key is not None:
         _measured[key, full] = choice
     log.info(

@@ -150,7 +150,8 @@ class ModelRunner(RunnerWeights):
         small = None
         if adapt:
             run, key = one_row_pass(self.model, self.dtype)
-            small = measure_small_step_threads(run, torch.get_num_threads(), key)
+            gil_free = self.model.fused_decode is not None  # else the event loop waits on the GIL anyway
+            small = measure_small_step_threads(run, torch.get_num_threads(), key, gil_free)
         self.step_threads = StepThreads(pin_extend=deterministic, small=small) if adapt else None
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
