@@ -19,7 +19,7 @@ import torch
 
 from engine import SyncScheduler
 from engine.errors import InvalidServerArgsError
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, finalize_linear, onednn_bf16_available
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -204,20 +204,26 @@ def test_seeded_sampling_gives_the_same_tokens_in_a_batch(deterministic):
 
 @pytest.mark.parametrize(
     "dtype,sizes",
-    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, RowTiles.EMULATED_BF16)],
-    ids=["bf16", "fp32", "bf16-emulated-tiles"],
+    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, RowTiles.EMULATED_BF16), (torch.float32, "model")],
+    ids=["bf16", "fp32", "bf16-emulated-tiles", "fp32-model-tiles"],
 )
 @pytest.mark.parametrize("decode", [True, False])
 def test_a_rows_result_depends_on_that_row_alone(dtype, sizes, decode):
     """`BatchInvariantLinear` over the LM head's shape (the widest GEMM): in either mode's tiles
-    (the default ones, and the small ones of a CPU without native bf16), a row's output is the
-    same bits at batch sizes 1..300 and at any position, beside random neighbours; a decode
-    tile's also with one thread fewer (small decodes run so: StepThreads)."""
+    (the default ones, the small ones of a CPU without native bf16, and an fp32 model's, whose
+    decode runs the fp32 loop in 8-row groups), a row's output is the same bits at batch sizes
+    1..300 and at any position, beside random neighbours; a decode tile's also with one thread
+    fewer (small decodes run so: StepThreads)."""
     torch.manual_seed(0)
     dense = DenseLinear(576, (49152 if decode else 1728,), False, torch.device("cpu"), dtype)
     dense.weight.data.normal_(0, 0.05)
-    tiles = RowTiles(*sizes) if sizes else RowTiles()
+    if sizes == "model":  # what an fp32 CPU model gets: decode-like forwards on the fp32 loop
+        tiles = RowTiles.for_weights(dtype, torch.device("cpu"))
+        assert tiles.decode_loop == (cpu_extension.load() is not None)
+    else:
+        tiles = RowTiles(*sizes) if sizes else RowTiles()
     tiles.select(decode)
+    assert tiles.loop == (decode and tiles.decode_loop)
     linear = finalize_linear(dense, None, 0, tiles)
     assert isinstance(linear, BatchInvariantLinear)
     probe = torch.randn(576).to(dtype)
