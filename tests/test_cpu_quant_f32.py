@@ -15,28 +15,15 @@ import pytest
 import torch
 
 from engine.kernels import cpu_extension, cpu_quant
-from engine.layers.int4 import Q4Blocks, TiledQ4Weight
+from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import DenseLinear, QuantLinear
-from engine.layers.q8 import Q8Blocks, Q8Weight
+from engine.layers.q8 import Q8Weight
+from tests.quant_blocks import random_q4, random_q8
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the CPU kernels cannot be built here")
 vector_only = pytest.mark.skipif(
     not cpu_quant.vectorized(torch.float32), reason="no AVX2+FMA+F16C (or AVX-512) build: fp32 models stay dense"
 )
-
-
-def _q4(n: int, k: int, seed: int) -> Q4Blocks:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
-    offset = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    return Q4Blocks(q, scale, offset, 32)
-
-
-def _q8(n: int, k: int, seed: int) -> Q8Blocks:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    return Q8Blocks(q, (torch.rand(n, k // 32, generator=g) * 0.02).half().float())
 
 
 def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -46,7 +33,7 @@ def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (40, 128), (960, 576), (7, 192), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
 def test_q4_equals_plain_loop_and_is_as_close_to_fp64_as_mkl(n, k, rows):
-    blocks = _q4(n, k, seed=n + k)
+    blocks = random_q4(n, k, seed=n + k)
     packed = cpu_quant.q4_pack(blocks.q, blocks.scale, blocks.offset)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     plain = cpu_quant.q4_gemv(x, packed, vector=False)
@@ -62,7 +49,7 @@ def test_q4_equals_plain_loop_and_is_as_close_to_fp64_as_mkl(n, k, rows):
 @pytest.mark.parametrize(("n", "k"), [(100, 192), (49152 // 16, 576), (5, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_q8_equals_plain_loop_and_is_as_close_to_fp64_as_mkl(n, k, rows):
-    blocks = _q8(n, k, seed=rows + n)
+    blocks = random_q8(n, k, seed=rows + n)
     w, half = blocks.dequantize(), blocks.scale.half()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     plain = cpu_quant.q8_gemv(x, blocks.q, half, vector=False)
@@ -79,12 +66,12 @@ def test_identity_reads_back_the_exact_dequantized_weights():
     """fp32 holds every d * q + m of fp16 d, m exactly after one rounding, as gguf's own
     dequantization computes it: x = I must return W to the bit."""
     n, k = 40, 192
-    blocks = _q4(n, k, seed=3)
+    blocks = random_q4(n, k, seed=3)
     form = blocks.pack(torch.float32)
     assert isinstance(form, TiledQ4Weight)
     eye = torch.eye(k)
     assert torch.equal(form.matmul(eye).T, blocks.dequantize())
-    q8 = _q8(n, k, seed=4)
+    q8 = random_q8(n, k, seed=4)
     q8_form = q8.pack(torch.float32)
     assert isinstance(q8_form, Q8Weight)
     assert torch.equal(q8_form.matmul(eye).T, q8.dequantize())
@@ -92,7 +79,7 @@ def test_identity_reads_back_the_exact_dequantized_weights():
 
 @vector_only
 def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count():
-    blocks, head = _q4(3072, 576, seed=5), _q8(2048, 576, seed=6)
+    blocks, head = random_q4(3072, 576, seed=5), random_q8(2048, 576, seed=6)
     form, head_form = blocks.pack(torch.float32), head.pack(torch.float32)
     probe = torch.randn(576, generator=torch.Generator().manual_seed(8))
     alone = (form.matmul(probe[None])[0], head_form.matmul(probe[None])[0])
@@ -113,7 +100,7 @@ def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count():
 
 
 def test_bad_inputs_are_refused_not_read_out_of_bounds():
-    packed = cpu_quant.q4_pack(*(lambda b: (b.q, b.scale, b.offset))(_q4(16, 64, seed=0)))
+    packed = cpu_quant.q4_pack(*(lambda b: (b.q, b.scale, b.offset))(random_q4(16, 64, seed=0)))
     with pytest.raises(RuntimeError, match=r"contiguous \[M, K\]"):
         cpu_quant.q4_gemv(torch.randn(1, 128), packed)
     with pytest.raises(RuntimeError, match="at least one row"):
@@ -128,12 +115,12 @@ def test_bad_inputs_are_refused_not_read_out_of_bounds():
 
 @vector_only
 def test_pack_forms_per_dtype():
-    blocks = _q4(32, 256, seed=1)
+    blocks = random_q4(32, 256, seed=1)
     assert isinstance(blocks.pack(torch.float32), TiledQ4Weight)
     # K = 96 is not a multiple of 64: no fp32 form at all (torch's int4pack takes bf16 only)
-    assert _q4(16, 96, seed=2).pack(torch.float32) is None
-    assert _q4(16, 64, seed=2).pack(torch.float16) is None
-    assert isinstance(_q8(4, 64, seed=1).pack(torch.float32), Q8Weight)
+    assert random_q4(16, 96, seed=2).pack(torch.float32) is None
+    assert random_q4(16, 64, seed=2).pack(torch.float16) is None
+    assert isinstance(random_q8(4, 64, seed=1).pack(torch.float32), Q8Weight)
 
 
 @vector_only

@@ -20,23 +20,10 @@ from engine.layers.int4 import Q4Blocks, TiledQ4Weight
 from engine.layers.linear import QuantLinear
 from engine.layers.q8 import Q8Blocks, Q8Weight
 from engine.models.gguf_weights import q8_blocks
+from tests.quant_blocks import random_q4, random_q8
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the CPU kernels cannot be built here")
 vector_only = pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: the layers keep torch's")
-
-
-def _q4(n: int, k: int, seed: int) -> Q4Blocks:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
-    offset = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    return Q4Blocks(q, scale, offset, 32)
-
-
-def _q8(n: int, k: int, seed: int) -> Q8Blocks:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    return Q8Blocks(q, (torch.rand(n, k // 32, generator=g) * 0.02).half().float())
 
 
 def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -47,7 +34,7 @@ def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (40, 128), (960, 576), (7, 192)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 19])
 def test_q4_matches_reference_and_fp64(n, k, rows):
-    blocks = _q4(n, k, seed=n + k)
+    blocks = random_q4(n, k, seed=n + k)
     packed = cpu_quant.q4_pack(blocks.q, blocks.scale, blocks.offset)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     plain = cpu_quant.q4_gemv(x, packed, vector=False)
@@ -62,7 +49,7 @@ def test_q4_matches_reference_and_fp64(n, k, rows):
 
 @pytest.mark.parametrize("rows", [1, 4, 9, 19])
 def test_q8_matches_reference_and_fp64(rows):
-    blocks = _q8(100, 192, seed=rows)
+    blocks = random_q8(100, 192, seed=rows)
     w = blocks.dequantize()
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     half = blocks.scale.half()
@@ -93,21 +80,21 @@ def test_identity_reads_back_the_exact_weights():
 
 @vector_only
 def test_pack_takes_group_multiples_and_refuses_what_it_cannot_hold():
-    blocks = _q4(32, 256, seed=1)
+    blocks = random_q4(32, 256, seed=1)
     wide = Q4Blocks(blocks.q, blocks.scale[:, ::2].contiguous(), blocks.offset[:, ::2].contiguous(), 64)
     form = wide.pack()
     assert isinstance(form, TiledQ4Weight)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert _rel_err(form.matmul(x), x, wide.dequantize()) < 5e-3
     # K = 96 is not a multiple of 64, and a scale fp16 cannot hold: torch's form (or none) instead
-    assert not isinstance(_q4(16, 96, seed=2).pack(), TiledQ4Weight)
+    assert not isinstance(random_q4(16, 96, seed=2).pack(), TiledQ4Weight)
     odd = Q4Blocks(blocks.q, blocks.scale + 1e-6, blocks.offset, 32)
     assert not isinstance(odd.pack(), TiledQ4Weight)
     assert Q8Blocks(torch.zeros(4, 96, dtype=torch.int8), torch.ones(4, 3)).pack() is None
 
 
 def test_bad_inputs_are_refused_not_read_out_of_bounds():
-    packed = cpu_quant.q4_pack(*(lambda b: (b.q, b.scale, b.offset))(_q4(16, 64, seed=0)))
+    packed = cpu_quant.q4_pack(*(lambda b: (b.q, b.scale, b.offset))(random_q4(16, 64, seed=0)))
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_quant.q4_gemv(torch.randn(1, 128).to(torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="bf16"):  # fp32 x has its own loops (test_cpu_quant_f32.py)
