@@ -247,8 +247,9 @@ def finalize_linear(
     quantized path is on (`q4_max_rows > 0`) and the model is bf16 or (our kernels only) fp32 on
     a CPU, else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
     the small-batch loop for a few rows); with `row_tiles` (deterministic inference), the dense
-    form in `BatchInvariantLinear` (no quantized form: its kernel runs a few rows only, so a row
-    would change with the batch's size; the tiles are never that small in fp32)."""
+    form in `BatchInvariantLinear` (no quantized form: the dense and quantized forms sum in
+    different orders, so a row would change with which side the batch's size picked; an fp32
+    model's decode-like forwards take the fixed-order loop there instead, `RowTiles.decode_loop`)."""
     big = OneDNNLinear.from_dense(dense) or dense
     if row_tiles is not None:
         return BatchInvariantLinear(big, row_tiles)

@@ -15,8 +15,8 @@ Hugging Face checkpoint the same forms, computed here instead of by llama.cpp's 
 
 What runs: exactly what a GGUF of that form runs (linear.QuantLinear). Every decoder-layer
 projection keeps its quantized form for a forward of up to the measured crossover rows
-(int4_crossover.py) and its dense bf16 form, whose values are the quantized weights dequantized,
-above it, so a prefill and a decode compute with the same weights. The embedding, the LM head,
+(int4_crossover.py) and its dense form (the model's dtype), whose values are the quantized
+weights dequantized, above it, so a prefill and a decode compute with the same weights. The embedding, the LM head,
 norms and MoE experts stay as stored. The kernels run bf16 or fp32 on a CPU (fp32: the exact
 quantized values, so transformers on the same values is the reference, and on a CPU without
 bf16 instructions the decode reads an eighth or a quarter of the dense fp32 bytes); on another

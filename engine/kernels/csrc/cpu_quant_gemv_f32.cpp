@@ -9,9 +9,9 @@
 // instructions: the read of the blocks, not the arithmetic, is what a step pays.
 //
 // 4-bit: for a tile (16 rows), block b and pair index j, the 32 bytes of codes hold rows 0..15's
-// weights 2j, 2j+1 (low nibbles) and 2j+16, 2j+17 (high nibbles), byte 2i+e for row i. Read as 16
-// uint16 lanes (one per row), two masks and two shifts give the four weights' codes of every row,
-// converted exactly to fp32 and multiplied by the broadcast x. Per row and block:
+// weights 2j, 2j+1 (low nibbles) and 2j+16, 2j+17 (high nibbles), byte 2i+e for row i. Each row's
+// two bytes are widened once to a 32-bit lane; shifts and masks give the four weights' codes of
+// every row, converted exactly to fp32 and multiplied by the broadcast x. Per row and block:
 //   lo = sum over j of (c[2j] x[2j], then c[2j+1] x[2j+1]), hi likewise over 2j+16, 2j+17;
 //   acc = fma(lo + hi, d, acc); acc = fma(m, sum(x over the block), acc)
 // which is sum_j (d c_j + m) x_j. The scalar loop (`vectorized` false) computes exactly this in the
