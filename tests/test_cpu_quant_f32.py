@@ -129,7 +129,8 @@ def test_default_model_fp32_decodes_on_the_blocks_with_transformers_tokens(
 ):
     """The default GGUF in fp32: every layer projection keeps its Q4_1 tiles and the head its
     Q8_0 blocks (the values transformers dequantizes), decode steps of 1 to 6 requests run on
-    them, and the greedy tokens are transformers'."""
+    them (counted through the Python layers; the fused C++ loop, the default, calls the same
+    kernels), and the greedy tokens are transformers' on both paths."""
     from bench.parity_prompts import parity_prompts
     from engine import SyncScheduler
     from engine.model_executor.model_runner import ModelRunner
@@ -137,9 +138,12 @@ def test_default_model_fp32_decodes_on_the_blocks_with_transformers_tokens(
     from engine.server_args import ServerArgs
     from tests.hf_reference import hf_greedy_outputs
 
-    args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=8192, max_running_requests=6, q4_max_tokens=8)
-    runner = ModelRunner(args, default_source)
-    model = runner.model
+    def runner(**kw) -> ModelRunner:
+        args = ServerArgs(dtype="float32", device="cpu", max_total_tokens=8192, max_running_requests=6, **kw)
+        return ModelRunner(args, default_source)
+
+    python_layers = runner(q4_max_tokens=8, disable_fused_decode=True)
+    model = python_layers.model
     layer = model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(proj, QuantLinear) and isinstance(proj.packed, TiledQ4Weight) and proj.max_rows == 8
@@ -153,8 +157,9 @@ def test_default_model_fp32_decodes_on_the_blocks_with_transformers_tokens(
         return real(x, *a, **kw)
 
     prompts = parity_prompts(default_tokenizer)[:6]
-    sched = SyncScheduler(runner)
     params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    expected = hf_greedy_outputs(hf_default_model, prompts, 32)
+    sched = SyncScheduler(python_layers)
     cpu_quant.q4_gemv = counting
     try:
         reqs = [sched.add_request(p, params) for p in prompts]
@@ -162,7 +167,10 @@ def test_default_model_fp32_decodes_on_the_blocks_with_transformers_tokens(
     finally:
         cpu_quant.q4_gemv = real
     assert calls["n"] >= 31 * 4 * len(model.layers)  # every decode step's every projection
-    assert [r.output_ids for r in reqs] == hf_greedy_outputs(hf_default_model, prompts, 32)
+    assert [r.output_ids for r in reqs] == expected
+    fused = runner(q4_max_tokens=8)
+    assert fused.model.fused_decode is not None
+    assert [r.output_ids for r in SyncScheduler(fused).generate(prompts, params)] == expected
 
 
 @vector_only

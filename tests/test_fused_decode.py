@@ -5,8 +5,8 @@ input and KV state (checked on each call of a real continuous batch with overlap
 and leaving: prefills, decodes below the 4-bit row bound and above it, where each projection runs
 its oneDNN weight); the fused path is taken where the issue's single stream runs (the default
 model in bf16 through `Engine`'s defaults) and by dense-only bf16 models (Qwen2's q|k|v biases and
-Qwen3's q/k norm included, bit-identical too), and is off where it must be (fp32, the flag, the
-torch backend); a projection with no dense form bounds its rows.
+Qwen3's q/k norm included, bit-identical too), and is off where it must be (the flag, the torch
+backend); a projection with no dense form bounds its rows. The fp32 form: test_fused_decode_f32.py.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 
 from engine import SyncScheduler
 from engine.kernels import cpu_quant
-from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.linear import QuantLinear
 from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
+from tests.fused_checks import check_every_fused_forward
 
 pytestmark = pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no fused decode layers")
 
@@ -31,33 +31,11 @@ def _runner(source, **kw) -> ModelRunner:
     return ModelRunner(ServerArgs(**(args | kw)), source)
 
 
-def _check_every_fused_forward(monkeypatch, model, lora_rows: list[int] | None = None) -> list[tuple[str, int]]:
-    """Make every fused forward also run the Python layers on the same input first (writing the
-    same K/V) and assert the outputs are bit-identical; returns (forward mode, rows) per call
-    (and appends each call's adapter row count to `lora_rows`)."""
-    fused_forward = FusedDecodeLayers.forward
-    seen: list[tuple[str, int]] = []
-
-    def checked(self, x, cos, sin, fb, plan):
-        reference = x.clone()
-        for layer in model.layers:
-            reference = layer(reference, cos, sin, fb)
-        out = fused_forward(self, x, cos, sin, fb, plan)
-        assert torch.equal(out, reference)
-        seen.append((fb.forward_mode.name, x.shape[0]))
-        if lora_rows is not None:
-            lora_rows.append(0 if fb.lora is None else fb.lora.num_lora_rows)
-        return out
-
-    monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
-    return seen
-
-
 def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, default_tokenizer, monkeypatch):
     runner = _runner(default_source)
     model = runner.model
     assert model.fused_decode is not None and model.fused_decode.max_rows is None  # dense above 4 rows
-    rows_seen = _check_every_fused_forward(monkeypatch, model)
+    rows_seen = check_every_fused_forward(monkeypatch, model)
     texts = ["The lighthouse keeper climbed", "def fibonacci(n):", "1, 2, 3,", "Dear diary, today", "Once upon"]
     prompts = [default_tokenizer.encode(t) for t in texts]
     sched = SyncScheduler(runner)
@@ -79,7 +57,8 @@ def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, def
 
 
 def test_fused_path_only_where_it_applies(default_source):
-    assert _runner(default_source, dtype="float32").model.fused_decode is None
+    fp32 = _runner(default_source, dtype="float32").model.fused_decode  # the torch-op form (test_fused_decode_f32.py)
+    assert fp32 is not None and not fp32.lora
     dense_only = _runner(default_source, q4_max_tokens=0).model.fused_decode  # every projection oneDNN
     assert dense_only is not None and dense_only.max_rows is None
     assert _runner(default_source, disable_fused_decode=True).model.fused_decode is None
@@ -112,7 +91,7 @@ def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source
     runner = _runner(default_source, speculative_algorithm="NGRAM", q4_max_tokens=rows)
     model = runner.model
     assert model.lm_head.max_rows >= rows  # the verify rows of one request take the decode's head
-    seen = _check_every_fused_forward(monkeypatch, model)
+    seen = check_every_fused_forward(monkeypatch, model)
     sched = SyncScheduler(runner)
     spec = sched.generate([prompt], params)[0].output_ids
     assert spec == plain
@@ -160,7 +139,7 @@ def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
     if quant:
         assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(attn.qkv_proj.packed, Q8Weight)
     assert model.fused_decode is not None and model.fused_decode.max_rows is None
-    seen = _check_every_fused_forward(monkeypatch, model)
+    seen = check_every_fused_forward(monkeypatch, model)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 12)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -196,7 +175,7 @@ def test_lora_rows_run_fused_bit_identically(tmp_path, monkeypatch):
     model = runner.model
     assert runner.lora.pool.kernel == "cpu" and model.fused_decode is not None and model.fused_decode.lora
     lora_rows: list[int] = []
-    seen = _check_every_fused_forward(monkeypatch, model, lora_rows)
+    seen = check_every_fused_forward(monkeypatch, model, lora_rows)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 12, 9)]
     names = ["all", None, "rslora", "all", None, "rslora"]

@@ -7,27 +7,37 @@ with the same arguments, so its output is bit-identical to the Python layers (te
 it releases the GIL for the whole step, so the event loop's thread (scheduling, detokenizing,
 streaming) runs beside it instead of waiting between ops.
 
+fp32 (the parity path, and `dtype auto` on a CPU without bf16 arithmetic): the loop runs the
+torch ops the Python layers run between the projections (transformers' RMSNorm, rotary, SiLU, the
+residual adds), called from C++, and each projection in the form its module picks for the row
+count (the fp32 block loops of a GGUF's blocks, cpu_gemv's loop for a few dense rows, `F.linear`
+above), so it is bit-identical to the Python layers too. Measured on a 2-core AVX2 CPU
+(docs/PERFORMANCE.md): the Python-level calls of ~1,500 small ops were half of an fp32 decode step
+of the default model.
+
 When: `FusedDecodeLayers.build` decides once, after the KV pool exists, whether the model fits:
-one rank, bf16 on a CPU, the fused elementwise kernels, Llama-style layers with SiLU (projection
-biases as Qwen2 has them and Qwen3's q/k norm included; `model.llama_layers`: not Granite's
-residual multiplier nor OLMo 2's post-norms and whole q/k norm; Phi-3 once its fused tensors are
-split, unless its rotary is partial, which has no fused form), every projection in our 4-bit or
-Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for oneDNN, and a bf16 KV pool.
+one rank, a CPU, Llama-style layers with SiLU (projection biases as Qwen2 has them and Qwen3's q/k
+norm included; `model.llama_layers`: not Granite's residual multiplier nor OLMo 2's post-norms and
+whole q/k norm; Phi-3 once its fused tensors are split, unless its rotary is partial, which has no
+form here), a KV pool of the model's dtype, and either bf16 with the fused elementwise kernels and
+every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for
+oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms.
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 and, where some projection has only its 4-bit form, it has at most that form's row bound of
-tokens. Above the bound each projection runs its oneDNN weight, as QuantLinear does: at batch
+tokens. Above the bound each projection runs its dense weight, as QuantLinear does: at batch
 32-128 the Python between the ops still cost ~2-3 ms a step (docs/PERFORMANCE.md, ninth session).
 
-Multi-LoRA: given the LoRA pool (bf16 CPU buffers, the torch path's form), the loop holds every
+Multi-LoRA: given the LoRA pool (CPU buffers in the model's dtype, the torch path's form), the loop holds every
 (layer, projection) buffer by reference and a forward with adapter rows passes each token's slot
 (`LoRABatchInfo.row_slots`): after each projection the C++ loop adds the deltas (csrc/cpu_lora.cpp,
 engine/lora/ops.py's arithmetic and roundings, another summation order), instead of the forward
-leaving the loop for the Python layers.
+leaving the loop for the Python layers. An fp32 forward with adapter rows keeps the Python layers.
 
-Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight; the
-loop runs each on decode's row tiles (`RowTiles.DECODE`, the same padded calls), so it takes
-decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
+Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight (or,
+fp32, its plain weight); the loop runs each on decode's row tiles (`RowTiles.DECODE`, the same
+padded calls; fp32: cpu_gemv's fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so
+it takes decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
 """
 
 from __future__ import annotations
@@ -37,12 +47,12 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.cache.memory_pool import KVCache
-from engine.kernels import cpu_extension
+from engine.kernels import cpu_extension, cpu_gemv
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import BatchInvariantLinear, OneDNNLinear, QuantLinear, RowTiles
+from engine.layers.linear import BatchInvariantLinear, DenseLinear, OneDNNLinear, QuantLinear, RowTiles
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
 from engine.lora.projections import PROJECTIONS
@@ -53,34 +63,69 @@ class _Form(NamedTuple):
     """A projection as the C++ loop takes it (csrc/decode_layers.h `Projection`)."""
 
     # the quantized form (4-bit tiles: codes, scales, offsets; Q8_0: int8 codes, scales) and/or
-    # the oneDNN-packed weight
+    # the dense weight (bf16: oneDNN-packed; fp32: the plain weight)
     parts: list[torch.Tensor]
     out_features: int
     q4_rows: int | None  # the quantized form's row bound; None: no quantized form
     bias: torch.Tensor | None
-    has_dense: bool  # the oneDNN-packed weight, which runs above the bound (or alone)
-    tile_rows: int = 0  # deterministic inference: the dense weight on row tiles of this size
+    has_dense: bool  # the dense weight, which runs above the bound (or alone)
+    # deterministic inference: the dense weight on row tiles of this size (fp32: gemv_f32 on
+    # groups of this many rows)
+    tile_rows: int = 0
+    small_rows: int = 0  # an fp32 dense weight: 1..small_rows rows through gemv_f32 (DenseLinear)
+
+
+def _fp32_dense(module: Any) -> bool:
+    """Whether `module` is an fp32 CPU `DenseLinear` (its plain weight is the loop's dense form)."""
+    return isinstance(module, DenseLinear) and module.weight.dtype == torch.float32 and module.weight.is_cpu
 
 
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
-    if isinstance(module, BatchInvariantLinear) and isinstance(module.inner, OneDNNLinear):
-        # decode-like forwards only (`plan`): their tile, as `RowTiles.select` picks it
+    if isinstance(module, BatchInvariantLinear):
+        # decode-like forwards only (`plan`): their tile, as `RowTiles.select` picks it, or (fp32)
+        # the fixed-order loop's groups
         inner = module.inner
-        return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
+        if isinstance(inner, OneDNNLinear):
+            return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
+        if _fp32_dense(inner) and module.tiles.decode_loop:
+            return _Form([inner.weight], inner.out_features, None, inner.bias, True, cpu_gemv.MAX_ROWS)
+        return None
     if isinstance(module, OneDNNLinear):
         return _Form([module.packed], module.out_features, None, module.bias, True)
+    if _fp32_dense(module):
+        return _Form([module.weight], module.out_features, None, module.bias, True, small_rows=module.small_rows)
     if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight)):
-        packed = module.packed
+        packed, big = module.packed, module.big
         if isinstance(packed, TiledQ4Weight):
             parts = [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
         else:
             parts = [packed.codes, packed.scales]
-        dense = isinstance(module.big, OneDNNLinear)
-        if dense:
-            parts.append(module.big.packed)
-        return _Form(parts, packed.out_features, module.max_rows, module.bias, dense)
+        small_rows = 0
+        dense = isinstance(big, OneDNNLinear) or _fp32_dense(big)
+        if isinstance(big, OneDNNLinear):
+            parts.append(big.packed)
+        elif dense:
+            parts.append(big.weight)
+            small_rows = big.small_rows
+        return _Form(parts, packed.out_features, module.max_rows, module.bias, dense, small_rows=small_rows)
     return None
+
+
+def _elementwise_forms(model: Any, dtype: torch.dtype) -> bool:
+    """Whether the loop computes `model`'s norms, rotary and activation as its layers do: bf16,
+    the fused C++ ops (`model.fused`); fp32, their torch forms (full rotary: a partial one, as
+    Phi-3's, has its own; the plain q/k norm, not Gemma 3's unit offset)."""
+    if dtype == torch.bfloat16:
+        return model.fused
+    if dtype != torch.float32 or len(model.rotaries) != 1:
+        return False
+    head_dim = model.cfg.head_dim
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.rotary_emb.rotary_dim != head_dim or (attn.qk_norm is not None and attn.qk_norm.unit_offset):
+            return False
+    return True
 
 
 class FusedDecodeLayers:
@@ -101,11 +146,12 @@ class FusedDecodeLayers:
         does not apply."""
         module = cpu_extension.load()
         cfg = model.cfg
-        if module is None or not hasattr(module, "DecodeLayers") or model.tp.size != 1 or not model.fused:
+        if module is None or not hasattr(module, "DecodeLayers") or model.tp.size != 1:
             return None
         if not model.llama_layers:  # a layer shape the loop does not implement (Granite, OLMo 2)
             return None
-        if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
+        dtype = model.embed_tokens.weight.dtype
+        if pool.dtype != dtype or pool.device.type != "cpu" or not _elementwise_forms(model, dtype):
             return None
         layers = model.layers
         forms: list[list[_Form]] = []
@@ -117,9 +163,11 @@ class FusedDecodeLayers:
             forms.append([f for f in projections if f is not None])
         q4_bounds = {f.q4_rows for layer in forms for f in layer if f.q4_rows is not None}
         tiles = {f.tile_rows for layer in forms for f in layer}
-        if len(q4_bounds) > 1 or len(tiles) > 1:
+        small = {f.small_rows for layer in forms for f in layer if f.has_dense}
+        if len(q4_bounds) > 1 or len(tiles) > 1 or len(small) > 1:
             return None
         tile_rows = tiles.pop()
+        small_rows = small.pop() if small else 0
         q4_rows = q4_bounds.pop() if q4_bounds else 0
         native = module.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.softmax_scale)
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
@@ -141,6 +189,7 @@ class FusedDecodeLayers:
                 [qkv.bias, o.bias, gate_up.bias, down.bias],
                 None if qk_norm is None else qk_norm.table,
                 tile_rows,
+                small_rows,
             )
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
@@ -189,7 +238,7 @@ class FusedDecodeLayers:
 def _add_lora(native: Any, pool: LoRAPool) -> bool:
     """Hand the loop every (layer, projection) buffer of `pool` (kept by reference: slot writes
     land in place), where the pool computes with the same C++ kernel (`kernel` "cpu", the default
-    on a CPU; the loop runs bf16 models only), so a forward's deltas do not depend on which path
+    on a CPU, bf16 or fp32), so a forward's deltas do not depend on which path
     took it; False elsewhere."""
     if pool.kernel != "cpu":
         return False

@@ -157,7 +157,9 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode
         # a forward with adapter rows takes the fused loop where it was given the LoRA pool (nor a
         # sliding window: `plan` declines a forward with a sequence past it)
-        plan = fused.plan(fb, x.shape[0]) if fused is not None and (fb.lora is None or fused.lora) else None
+        plan = None
+        if fused is not None and (fb.lora is None or fb.lora.empty or fused.lora):
+            plan = fused.plan(fb, x.shape[0])
         if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
             x = fused.forward(x, *tables[0], fb, plan)
         else:

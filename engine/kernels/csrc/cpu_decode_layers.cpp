@@ -13,10 +13,19 @@
 // bound: there the Python was still ~2-3 ms a step, and a 2-core forward's second thread spun
 // through it.
 //
+// fp32 (the transformers parity path, and the default dtype on CPUs without bf16 arithmetic):
+// the same loop, where each elementwise step is the torch ops the Python layers run (RMSNorm as
+// transformers computes it, rotary as x*cos + swapped*sin, silu(gate)*up, the residual adds), so
+// its bits are the Python layers' and greedy output stays transformers'; each projection runs the
+// form its Python module would for that row count (the fp32 block-quantized loops, gemv_f32 for a
+// few dense rows, at::linear above). On a 2-core AVX2 CPU the ~1,500 Python-level op calls of an
+// fp32 decode step of the default model were half its time.
+//
 // Scope (checked on the Python side): Llama-style layers (projection biases as Qwen2 has them, the
-// q/k norm of Qwen3), SiLU, bf16, every projection 4-bit and/or prepacked for oneDNN, the fused
-// elementwise kernels, the kernel attention plans, one rank; multi-LoRA deltas after each
-// projection where the forward has adapter rows (cpu_lora.cpp).
+// q/k norm of Qwen3), SiLU, bf16 with every projection 4-bit and/or prepacked for oneDNN and the
+// fused elementwise kernels, or fp32 with the torch forms (full rotary), the kernel attention
+// plans, one rank; multi-LoRA deltas after each projection where the forward has adapter rows
+// (cpu_lora.cpp, which the Python layers call too).
 
 #include "decode_layers.h"
 
@@ -32,13 +41,17 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out, bool vectorized);
+torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 namespace asyncllm {
 
 namespace {
 
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
-                      const std::optional<torch::Tensor>& bias, int64_t tile_rows) {
+                      const std::optional<torch::Tensor>& bias, int64_t tile_rows, int64_t small_rows) {
   const bool q8 = parts.size() > 1 && parts[0].scalar_type() == torch::kChar;  // Q8_0 codes are int8
   const size_t quant = q8 ? 2 : 3;  // tensors of the quantized form
   TORCH_CHECK(parts.size() == 1 || parts.size() == quant || parts.size() == quant + 1,
@@ -55,6 +68,7 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   if (parts.size() != quant) p.dense = parts.back();
   if (bias.has_value()) p.bias = *bias;
   p.tile_rows = tile_rows;
+  p.small_rows = small_rows;
   TORCH_CHECK(tile_rows == 0 || (p.dense.defined() && p.q4_rows == 0), "row tiles take a dense-only projection");
   return p;
 }
@@ -85,14 +99,38 @@ torch::Tensor tiled_dense(const torch::Tensor& x, const Projection& w) {
   return out.narrow(0, 0, t);
 }
 
-// QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense form.
+std::optional<torch::Tensor> optional(const torch::Tensor& t) {
+  return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
+}
+
+// cpu_gemv.gemv_groups (fp32 deterministic inference): gemv_f32 on `tile_rows` rows at a time,
+// so each row's result is the same bits as alone.
+torch::Tensor grouped_gemv_f32(const torch::Tensor& x, const Projection& w) {
+  const int64_t t = x.size(0), rows = w.tile_rows;
+  if (t <= rows) return gemv_f32(x, w.dense, optional(w.bias));
+  std::vector<torch::Tensor> parts;
+  for (int64_t start = 0; start < t; start += rows)
+    parts.push_back(gemv_f32(x.narrow(0, start, std::min(rows, t - start)), w.dense, optional(w.bias)));
+  return torch::cat(parts);
+}
+
+// QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense
+// form (DenseLinear.forward for an fp32 weight, OneDNNLinear.forward for a prepacked bf16 one).
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
-  if (w.tile_rows > 0) return tiled_dense(x, w);
-  if (x.size(0) <= w.q4_rows || !w.dense.defined()) {
-    torch::Tensor out = w.q8 ? q8_gemv(x.contiguous(), w.codes, w.scales, true)
-                             : q4_gemv(x.contiguous(), w.codes, w.scales, w.offsets, w.out_features, true);
+  const bool f32 = x.scalar_type() == torch::kFloat;
+  if (w.tile_rows > 0) return f32 ? grouped_gemv_f32(x, w) : tiled_dense(x, w);
+  const int64_t t = x.size(0);
+  if (t <= w.q4_rows || !w.dense.defined()) {
+    const torch::Tensor xc = x.contiguous();
+    torch::Tensor out;
+    if (w.q8)
+      out = f32 ? q8_gemv_f32(xc, w.codes, w.scales, true) : q8_gemv(xc, w.codes, w.scales, true);
+    else
+      out = f32 ? q4_gemv_f32(xc, w.codes, w.scales, w.offsets, w.out_features, true)
+                : q4_gemv(xc, w.codes, w.scales, w.offsets, w.out_features, true);
     return w.bias.defined() ? out + w.bias : out;
   }
+  if (f32) return t <= w.small_rows ? gemv_f32(x, w.dense, optional(w.bias)) : at::linear(x, w.dense, optional(w.bias));
   return dense_linear(x, w.dense, w.bias);
 }
 
@@ -103,6 +141,19 @@ torch::Tensor torch_rms_norm(const torch::Tensor& x, const torch::Tensor& w, dou
   const torch::Tensor variance = h.pow(2).mean({-1}, true);
   h = h * torch::rsqrt(variance + eps);
   return w * h.to(x.scalar_type());
+}
+
+// engine/layers/rotary.py apply_rotary: x*cos + (x2, x1)*signed_sin, each op as torch runs it.
+torch::Tensor torch_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const torch::Tensor swapped = torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1);
+}
+
+// engine/layers/activation.py silu_and_mul: silu(gate) * up.
+torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
+  const std::vector<torch::Tensor> halves = gate_up.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1];
 }
 
 }  // namespace
@@ -117,7 +168,7 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                              std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
                              int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows,
                              std::vector<std::optional<torch::Tensor>> biases, std::optional<torch::Tensor> qk_norm,
-                             int64_t tile_rows) {
+                             int64_t tile_rows, int64_t small_rows) {
   TORCH_CHECK(biases.size() == 4, "one bias (or None) per projection: q|k|v, o, gate|up, down");
   TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
   TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
@@ -125,10 +176,11 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                   v_buffer.sizes() == k_buffer.sizes(),
               "KV buffers [S, KVH, D]");
   layers_.push_back(DecodeLayer{input_norm, post_norm, qk_norm.value_or(torch::Tensor()),
-                                projection(qkv, qkv_out, q4_rows, biases[0], tile_rows),
-                                projection(o, o_out, q4_rows, biases[1], tile_rows),
-                                projection(gate_up, gate_up_out, q4_rows, biases[2], tile_rows),
-                                projection(down, down_out, q4_rows, biases[3], tile_rows), k_buffer, v_buffer});
+                                projection(qkv, qkv_out, q4_rows, biases[0], tile_rows, small_rows),
+                                projection(o, o_out, q4_rows, biases[1], tile_rows, small_rows),
+                                projection(gate_up, gate_up_out, q4_rows, biases[2], tile_rows, small_rows),
+                                projection(down, down_out, q4_rows, biases[3], tile_rows, small_rows), k_buffer,
+                                v_buffer});
 }
 
 void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,
@@ -155,14 +207,18 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     if (row_slots != nullptr) add_lora(in, out, lora, row_slots);
     return out;
   };
+  // fp32: the Python layers' torch ops between the projections (see the file comment)
+  const bool f32 = x.scalar_type() == torch::kFloat;
+  TORCH_CHECK(layers_.empty() || layers_[0].k_buffer.scalar_type() == x.scalar_type(), "x and the KV pool: one dtype");
   for (const DecodeLayer& layer : layers_) {
-    const torch::Tensor normed_in = rms_norm(x, layer.input_norm, eps_);
+    const torch::Tensor normed_in =
+        f32 ? torch_rms_norm(x, layer.input_norm, eps_) : rms_norm(x, layer.input_norm, eps_);
     const torch::Tensor qkv = project(normed_in, layer.qkv, layer.lora[0]);
     // q and k are adjacent: normalise (Qwen3) and rotate them as one [T, H + KVH, D] slab (as
     // LlamaAttention does)
     torch::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
     if (layer.qk_norm.defined()) qk = torch_rms_norm(qk, layer.qk_norm, eps_);
-    qk = rotary(qk, cos, sin);
+    qk = f32 ? torch_rotary(qk, cos, sin) : rotary(qk, cos, sin);
     const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
     layer.k_buffer.index_put_({out_cache_loc}, qk.narrow(1, h, kvh));
     layer.v_buffer.index_put_({out_cache_loc}, v);
@@ -171,9 +227,16 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
         prefix_lens.has_value()
             ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_)
             : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_, query_starts)[0];
-    const torch::Tensor normed =
-        add_rms_norm_(x, project(attn.view({t, h * d}), layer.o, layer.lora[1]), layer.post_norm, eps_);
-    x = x + project(silu_mul(project(normed, layer.gate_up, layer.lora[2])), layer.down, layer.lora[3]);
+    const torch::Tensor attn_out = project(attn.view({t, h * d}), layer.o, layer.lora[1]);
+    torch::Tensor normed;
+    if (f32) {  // AddRMSNorm's torch form: a new residual sum, then the norm
+      x = x + attn_out;
+      normed = torch_rms_norm(x, layer.post_norm, eps_);
+    } else {
+      normed = add_rms_norm_(x, attn_out, layer.post_norm, eps_);
+    }
+    const torch::Tensor gate_up = project(normed, layer.gate_up, layer.lora[2]);
+    x = x + project(f32 ? torch_silu_mul(gate_up) : silu_mul(gate_up), layer.down, layer.lora[3]);
   }
   return x;
 }

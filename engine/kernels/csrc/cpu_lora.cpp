@@ -1,7 +1,7 @@
 // Multi-LoRA deltas on a CPU: for each token whose request runs an adapter,
-// y[t] += expand(scale * shrink(x[t])) for every part of the projection. bf16 models call it inside
-// the fused layer loop (cpu_decode_layers.cpp) and from the Python layers (engine/lora/ops.py);
-// fp32 models from the Python layers.
+// y[t] += expand(scale * shrink(x[t])) for every part of the projection. bf16 and fp32 models call
+// it inside the fused layer loop (cpu_decode_layers.cpp) and from the Python layers
+// (engine/lora/ops.py).
 //
 // Why here: a forward with adapter rows used to leave the C++ loop for the Python layers, and on
 // the default model that cost more than the LoRA arithmetic itself; in fp32 the torch ops' batched

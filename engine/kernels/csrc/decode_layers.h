@@ -10,9 +10,11 @@
 namespace asyncllm {
 
 // One projection: its quantized form (cpu_quant_gemv.cpp's tiled 4-bit layout, or Q8_0 blocks
-// when `q8`) for inputs of at most q4_rows rows, its oneDNN-prepacked bf16 weight
-// (engine/layers/linear.py OneDNNLinear) for more. Either may be missing (undefined tensors): a
-// dense-only model has q4_rows 0, a projection with no dense form serves at most q4_rows rows.
+// when `q8`) for inputs of at most q4_rows rows, its dense weight for more: bf16 prepacked for
+// oneDNN (engine/layers/linear.py OneDNNLinear), or fp32 as it is (DenseLinear: 1..small_rows
+// rows through cpu_gemv.cpp's loop, more through at::linear). Either may be missing (undefined
+// tensors): a dense-only model has q4_rows 0, a projection with no dense form serves at most
+// q4_rows rows.
 struct Projection {
   torch::Tensor codes, scales, offsets;  // offsets: 4-bit only
   bool q8 = false;
@@ -20,8 +22,10 @@ struct Projection {
   torch::Tensor bias;  // undefined: none (Qwen2 has q|k|v biases)
   int64_t out_features;
   int64_t q4_rows;
+  int64_t small_rows = 0;  // fp32 dense: inputs of 1..small_rows rows take gemv_f32
   // deterministic inference: the dense weight runs on whole tiles of this many rows, the last
-  // zero-padded (engine/layers/linear.py BatchInvariantLinear); 0: one call over every row
+  // zero-padded (engine/layers/linear.py BatchInvariantLinear; fp32: gemv_f32 on groups of this
+  // many rows, cpu_gemv.gemv_groups); 0: one call over every row
   int64_t tile_rows = 0;
 };
 
@@ -58,13 +62,15 @@ class DecodeLayers {
   // scales) for a Q8_0 one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
   // tensors); q4_rows bounds the quantized form's inputs.
   // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
-  // layer's q/k norm table, or None; tile_rows: every dense projection's row tile (0: none).
+  // layer's q/k norm table, or None; tile_rows: every dense projection's row tile (0: none);
+  // small_rows: an fp32 dense weight's row bound for gemv_f32 (DenseLinear.small_rows).
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
                  std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
                  int64_t q4_rows, std::vector<std::optional<torch::Tensor>> biases,
-                 std::optional<torch::Tensor> qk_norm, int64_t tile_rows);
-  // x: the residual stream [T, hidden] bf16 (updated in place and returned); cos/sin [T, D];
+                 std::optional<torch::Tensor> qk_norm, int64_t tile_rows, int64_t small_rows);
+  // x: the residual stream [T, hidden], bf16 (updated in place and returned) or fp32 (a new
+  // tensor: fp32 runs the Python layers' torch ops for the elementwise steps); cos/sin [T, D];
   // out_cache_loc [T] int64 (where each token's K/V go); slots [R, L] int64 (each request's
   // slot row). Decode (one token per request): lens [R] the requests' lengths, no prefix_lens.
   // Extend: lens [R] the new tokens per request, prefix_lens [R]. Grouped decode (a speculative
