@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total = sum(weights.values()) + kv_bytes
     # a forward of one token runs with the threads the engine measured for small forwards at
     # start-up (StepThreads: all, or one fewer to leave a core to the event loop)
-    small = runner.step_threads.small if runner.step_threads is not None else None
-    step_threads = small if small is not None else threads
+    step_threads = runner.step_threads.threads_for(1, threads) if runner.step_threads is not None else threads
     bandwidth = read_bandwidth(step_threads)
     floor_s = total / bandwidth
     print(

@@ -24,6 +24,7 @@ from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, fi
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs, cpu_has_native_bf16
+from tests.quant_blocks import random_q4, random_q8
 
 TARGET = "target"
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -240,6 +241,42 @@ def test_a_rows_result_depends_on_that_row_alone(dtype, sizes, decode):
                 assert torch.equal(linear(x)[at], alone), (m, "threads")
             finally:
                 torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_fp32_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind):
+    """An fp32 projection with a block form (a GGUF's Q4/Q8_0) runs it for decode-like forwards of
+    any size, no row bound: a row's result is the same bits at batch sizes 1..70, at any position
+    and with one thread fewer; extends keep the dense tiles."""
+    cpu = torch.device("cpu")
+    blocks = random_q4(1728, 576, 3) if kind == "q4" else random_q8(1728, 576, 3)
+    dense = DenseLinear(576, (1728,), False, cpu, torch.float32)
+    dense.weight.data.copy_(blocks.dequantize())
+    tiles = RowTiles.for_weights(torch.float32, cpu)
+    linear = finalize_linear(dense, blocks.pack(torch.float32), 0, tiles)
+    assert isinstance(linear, BatchInvariantLinear) and linear.blocks is not None
+    plain = BatchInvariantLinear(dense, tiles)  # the dense form alone
+    torch.manual_seed(0)
+    probe = torch.randn(576)
+    tiles.select(True)
+    alone = linear(probe[None])[0]
+    assert not torch.equal(alone, plain(probe[None])[0])  # the blocks ran, not the dense loop
+    threads = torch.get_num_threads()
+    for m in (2, 9, 16, 33, 70):
+        x = torch.randn(m, 576)
+        at = m // 2
+        x[at] = probe
+        assert torch.equal(linear(x)[at], alone), m
+        if threads > 1:
+            try:
+                torch.set_num_threads(threads - 1)
+                assert torch.equal(linear(x)[at], alone), (m, "threads")
+            finally:
+                torch.set_num_threads(threads)
+    tiles.select(False)
+    x = torch.randn(5, 576)
+    assert torch.equal(linear(x), plain(x))
 
 
 def test_mixed_chunk_is_refused(default_source):

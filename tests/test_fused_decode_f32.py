@@ -106,11 +106,14 @@ def test_qwen_layers_run_fused_in_fp32_with_transformers_tokens(kind, tmp_path, 
 
 def test_deterministic_fp32_decodes_run_the_loop_in_fixed_groups(default_source, default_tokenizer, monkeypatch):
     """`--enable-deterministic-inference` in fp32: decode forwards take the loop, each projection
-    on cpu_gemv's fixed-order loop in groups of 8 rows (as `gemv_groups`); extends keep the Python
-    layers' padded tiles. Bit-identical to the Python layers on every call."""
+    on the GGUF's block loops at any row count where this CPU has them (else cpu_gemv's
+    fixed-order loop in groups of 8 rows, as `gemv_groups`); extends keep the Python layers'
+    padded tiles. Bit-identical to the Python layers on every call."""
     runner = _runner(default_source, enable_deterministic_inference=True, q4_max_tokens=None)
     model = runner.model
-    assert isinstance(model.layers[0].mlp.down_proj, BatchInvariantLinear)
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, BatchInvariantLinear)
+    assert (down.blocks is not None) == cpu_quant.vectorized(torch.float32)
     fused = model.fused_decode
     assert fused is not None and fused.tiled
     seen = check_every_fused_forward(monkeypatch, model)

@@ -107,8 +107,8 @@ async def test_the_forward_thread_keeps_its_threads_whatever_the_caller_sets_nex
 
 def test_small_forwards_leave_a_core_to_the_event_loop():
     """StepThreads (engine/device/step_threads.py): on the forward thread, a forward of a few
-    tokens runs with one thread fewer than the thread's own count (unless measured otherwise),
-    larger ones with all."""
+    tokens runs with one thread fewer than the thread's own count (unless measured otherwise up to
+    some tokens), larger ones with all."""
     import torch
 
     from engine.device.step_threads import SMALL_STEP_TOKENS, StepThreads
@@ -128,9 +128,16 @@ def test_small_forwards_leave_a_core_to_the_event_loop():
         one.before(1)
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        every = StepThreads(small=2)  # measured: small forwards gain from every core
-        every.before(1)
+        lone = StepThreads(every_core_tokens=2)  # measured: steps of 1-2 streams gain from every core
+        lone.before(1)
         assert torch.get_num_threads() == 2
+        lone.before(3)
+        assert torch.get_num_threads() == 1
+        lone.before(2)
+        assert torch.get_num_threads() == 2
+        assert [lone.threads_for(n, 4) for n in (1, 2, 3, SMALL_STEP_TOKENS, SMALL_STEP_TOKENS + 1)] == [4, 4, 3, 3, 4]
+        pinned = StepThreads(pin_extend=True)
+        assert pinned.threads_for(1, 2, extend=True) == 2 and pinned.threads_for(1, 2) == 1
     finally:
         torch.set_num_threads(before)
 
@@ -152,15 +159,17 @@ class FakeClock:
 @pytest.mark.parametrize(
     ("cost_s", "want"),
     [
-        ({1: 0.009, 2: 0.007}, 1),  # a small model: every core saves 2 ms, less than the event loop costs
-        ({1: 0.315, 2: 0.130}, 2),  # a 1B-class model: one core cannot stream its weights
+        ({1: 0.009, 2: 0.0075}, 0),  # a small model: every core saves 1.5 ms, less than one stream's event loop
+        ({1: 0.0116, 2: 0.0079}, 1),  # the default model in bf16 (AVX-512): every core for a lone stream
+        ({1: 0.0103, 2: 0.0059}, 2),  # the default model in fp32 (AVX2): 4.4 ms, one or two streams
+        ({1: 0.315, 2: 0.130}, 8),  # a 1B-class model: one core cannot stream its weights
     ],
 )
 def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
     """measure_small_step_threads times the model's one-row pass with each count, alternately,
-    and keeps every core for small forwards only where that saves more than the event loop's
-    interruptions cost; the forward thread's count is restored; a model loaded again in the
-    process is answered from its first measurement."""
+    and keeps every core for small forwards of up to as many tokens as the saving outweighs their
+    event-loop work; the forward thread's count is restored; a model loaded again in the process
+    is answered from its first measurement."""
     from engine.device import step_threads
 
     clock = FakeClock(cost_s)
@@ -171,11 +180,12 @@ def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
         assert step_threads.measure_small_step_threads(clock.one_row_pass, 2) == want
         assert torch.get_num_threads() == 2
         assert clock.calls[:4] == [1, 2, 1, 2]  # warm-up with each, then alternating
-        assert step_threads.measure_small_step_threads(clock.one_row_pass, 1) == 1  # nothing to choose
+        # one thread: nothing to leave free
+        assert step_threads.measure_small_step_threads(clock.one_row_pass, 1) == step_threads.SMALL_STEP_TOKENS
         monkeypatch.setattr(step_threads, "_measured", {})
         assert step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("model",)) == want
         calls = len(clock.calls)
-        clock.cost_s = {1: 0.2, 2: 0.1} if want == 1 else {1: 0.1, 2: 0.1}  # would now choose the other
+        clock.cost_s = {1: 0.2, 2: 0.1} if want < 8 else {1: 0.1, 2: 0.1}  # would now choose another
         assert step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("model",)) == want
         assert len(clock.calls) == calls  # the same model again in this process: not re-measured
     finally:
@@ -185,9 +195,9 @@ def test_small_step_threads_are_measured_per_model(monkeypatch, cost_s, want):
 @pytest.mark.parametrize(
     ("cost_s", "want"),
     [
-        ({1: 0.009, 2: 0.007}, 2),  # 22% less: the event loop would wait on the GIL with either count
-        ({1: 0.0106, 2: 0.0063}, 2),  # the default model's fp32 Q4_1 pass on a 2-core AVX2 CPU
-        ({1: 0.0100, 2: 0.0095}, 1),  # 5% less: within noise, leave the core
+        ({1: 0.009, 2: 0.007}, 8),  # 22% less: the event loop would wait on the GIL with either count
+        ({1: 0.0106, 2: 0.0063}, 8),  # the default model's fp32 Q4_1 pass on a 2-core AVX2 CPU, in Python
+        ({1: 0.0100, 2: 0.0095}, 0),  # 5% less: within noise, leave the core
     ],
 )
 def test_a_forward_in_python_keeps_every_core_that_shortens_it(monkeypatch, cost_s, want):
@@ -206,7 +216,7 @@ def test_a_forward_in_python_keeps_every_core_that_shortens_it(monkeypatch, cost
         # the same projections measured for a GIL-free forward are another question, not a cache hit
         fused = step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("m",), gil_free=True)
         assert step_threads.measure_small_step_threads(clock.one_row_pass, 2, key=("m",), gil_free=False) == want
-        assert fused == (2 if cost_s[1] - cost_s[2] >= step_threads.EVENT_LOOP_MARGIN_S else 1)
+        assert fused == int((cost_s[1] - cost_s[2]) / step_threads.EVENT_LOOP_S_PER_TOKEN)
     finally:
         torch.set_num_threads(before)
 

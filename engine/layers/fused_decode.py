@@ -36,8 +36,9 @@ leaving the loop for the Python layers. An fp32 forward with adapter rows keeps 
 
 Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight (or,
 fp32, its plain weight); the loop runs each on decode's row tiles (`RowTiles.DECODE`, the same
-padded calls; fp32: cpu_gemv's fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so
-it takes decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
+padded calls; fp32: its block form at every row count where it has one, else cpu_gemv's
+fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so it takes decode-like forwards
+(decode, verify) only, bit-identical to the Python layers there.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ def _fp32_dense(module: Any) -> bool:
     return isinstance(module, DenseLinear) and module.weight.dtype == torch.float32 and module.weight.is_cpu
 
 
+EVERY_ROW = 2**62  # a quantized form's row bound that no forward reaches
+
+
+def _block_parts(packed: TiledQ4Weight | Q8Weight) -> list[torch.Tensor]:
+    """A block form's tensors as the loop takes them: 4-bit tiles (codes, scales, offsets) or Q8_0
+    (int8 codes, scales)."""
+    if isinstance(packed, TiledQ4Weight):
+        return [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
+    return [packed.codes, packed.scales]
+
+
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
     if isinstance(module, BatchInvariantLinear):
@@ -89,7 +101,11 @@ def _form(module: Any) -> _Form | None:
         if isinstance(inner, OneDNNLinear):
             return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
         if _fp32_dense(inner) and module.tiles.decode_loop:
-            return _Form([inner.weight], inner.out_features, None, inner.bias, True, cpu_gemv.MAX_ROWS)
+            if module.blocks is None:
+                return _Form([inner.weight], inner.out_features, None, inner.bias, True, cpu_gemv.MAX_ROWS)
+            # the block loops at every row count (no bound: `BatchInvariantLinear.blocks`)
+            parts = [*_block_parts(module.blocks), inner.weight]
+            return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, cpu_gemv.MAX_ROWS)
         return None
     if isinstance(module, OneDNNLinear):
         return _Form([module.packed], module.out_features, None, module.bias, True)
@@ -97,10 +113,7 @@ def _form(module: Any) -> _Form | None:
         return _Form([module.weight], module.out_features, None, module.bias, True, small_rows=module.small_rows)
     if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight)):
         packed, big = module.packed, module.big
-        if isinstance(packed, TiledQ4Weight):
-            parts = [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
-        else:
-            parts = [packed.codes, packed.scales]
+        parts = _block_parts(packed)
         small_rows = 0
         dense = isinstance(big, OneDNNLinear) or _fp32_dense(big)
         if isinstance(big, OneDNNLinear):

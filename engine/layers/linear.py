@@ -200,15 +200,25 @@ class BatchInvariantLinear(nn.Module):
     one fixed row count every row comes out the same wherever it sits and whatever its neighbours
     hold (tests/test_deterministic.py checks both)."""
 
-    def __init__(self, inner: DenseLinear | OneDNNLinear, tiles: RowTiles) -> None:
+    def __init__(
+        self, inner: DenseLinear | OneDNNLinear, tiles: RowTiles, blocks: TiledQ4Weight | Q8Weight | None = None
+    ) -> None:
         super().__init__()
         self.inner, self.tiles = inner, tiles
+        # an fp32 model's GGUF blocks (or --torchao-config's), for decode-like forwards at any row
+        # count: the fp32 block loops give each row the same bits whatever the batch, its position
+        # and the thread count, as the fixed-order dense loop does, reading a quarter or an eighth
+        # of its bytes (no row bound: switching forms by batch size would change a row's sums)
+        self.blocks = blocks
         self.bias = inner.bias
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.output_sizes = inner.output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles.loop and isinstance(self.inner, DenseLinear):
+            if self.blocks is not None:
+                out = self.blocks.matmul(x)
+                return out if self.bias is None else out + self.bias
             return cpu_gemv.gemv_groups(x, self.inner.weight, self.bias)
         t, rows = x.shape[0], self.tiles.rows
         if t == rows:
@@ -249,14 +259,16 @@ def finalize_linear(
     the small-batch loop for a few rows); with `row_tiles` (deterministic inference), the dense
     form in `BatchInvariantLinear` (no quantized form: the dense and quantized forms sum in
     different orders, so a row would change with which side the batch's size picked; an fp32
-    model's decode-like forwards take the fixed-order loop there instead, `RowTiles.decode_loop`)."""
+    model's decode-like forwards take the fixed-order loop there instead, `RowTiles.decode_loop`,
+    or its fp32 block loops where it has a block form: `BatchInvariantLinear.blocks`)."""
     big = OneDNNLinear.from_dense(dense) or dense
-    if row_tiles is not None:
-        return BatchInvariantLinear(big, row_tiles)
-    if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
-        dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     weight = dense.weight
     ours = isinstance(packed, (TiledQ4Weight, Q8Weight))  # torch's int4pack form takes bf16 only
+    if row_tiles is not None:
+        fp32_blocks = ours and row_tiles.decode_loop and weight.dtype == torch.float32
+        return BatchInvariantLinear(big, row_tiles, packed if fp32_blocks else None)
+    if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
+        dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)
     if packed is None or q4_max_rows <= 0 or weight.dtype not in dtypes or weight.device.type != "cpu":
         return big

@@ -33,7 +33,7 @@ from engine.layers.attention_backend import check_attention_backend, create_atte
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
-from engine.layers.linear import QuantLinear, one_row_pass
+from engine.layers.linear import QuantLinear, RowTiles, one_row_pass
 from engine.layers.weight_quant import WeightOnlyQuant
 from engine.model_config import ModelConfig
 from engine.model_executor.cuda_graph_runner import (
@@ -147,12 +147,12 @@ class ModelRunner(RunnerWeights):
         # (`StepThreads`, measured per model); a user's explicit `torch_threads` is kept for every forward, and a
         # worker rank has no event loop to make room for.
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
-        small = None
+        self.step_threads: StepThreads | None = None
         if adapt:
             run, key = one_row_pass(self.model, self.dtype)
             gil_free = self.model.fused_decode is not None  # else the event loop waits on the GIL anyway
-            small = measure_small_step_threads(run, torch.get_num_threads(), key, gil_free)
-        self.step_threads = StepThreads(pin_extend=deterministic, small=small) if adapt else None
+            every_core = measure_small_step_threads(run, torch.get_num_threads(), key, gil_free)
+            self.step_threads = StepThreads(pin_extend=deterministic, every_core_tokens=every_core)
         self.last_token_ids = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         # Last: the graphs bake in the addresses of the KV pool, the request table and the buffers above.
         self.graph_runner: DecodeGraphRunner | None = self._init_cuda_graphs()
@@ -209,7 +209,16 @@ class ModelRunner(RunnerWeights):
         """
         cfg, source = self.model_config, source or self.source
         model = MODEL_CLASSES[cfg.architecture](cfg, source.hf_config, self.device, self.dtype, self.tp).eval()
-        want_q4 = q4_max_tokens != 0 and int4_kernel_available(self.dtype)
+        # deterministic inference runs no row-bounded quantized path (q4_max_tokens 0), but an fp32
+        # model's decode-like forwards take the block forms at every row count
+        # (linear.BatchInvariantLinear.blocks) unless the user turned the quantized path off
+        invariant_blocks = (
+            self.args.enable_deterministic_inference
+            and self.args.resolved_q4_max_tokens() != 0
+            and self.tp.size == 1
+            and RowTiles.for_weights(self.dtype, self.device).decode_loop
+        )
+        want_q4 = (q4_max_tokens != 0 or invariant_blocks) and int4_kernel_available(self.dtype)
         quant = WeightOnlyQuant.parse(self.args.torchao_config)  # verified by ServerArgs
         if quant is not None and source.gguf_file is not None:
             raise InvalidServerArgsError(
@@ -236,11 +245,14 @@ class ModelRunner(RunnerWeights):
             # speculation (Q8_0 at 5 rows is on par with dense: 1.9 vs 2.0 ms on one core)
             head.max_rows = max(head.max_rows, self.args.resolved_max_verify_tokens())
         if q4:
-            how = "measured" if q4_max_tokens is None else "set"
             layers = sum(name != "lm_head" for name in q4)
             head_form = "Q8_0" if "lm_head" in q4 else "dense"
             packed = f"{layers} of {4 * cfg.num_layers} layer weights packed, LM head {head_form}"
-            log.info("quantized kernels for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
+            if invariant_blocks:
+                log.info("quantized kernels for decode-like forwards of any size (deterministic): %s", packed)
+            else:
+                how = "measured" if q4_max_tokens is None else "set"
+                log.info("quantized kernels for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
         if model.fused:
             log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")
         return model, q4_rows

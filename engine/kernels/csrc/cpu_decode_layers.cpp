@@ -69,7 +69,7 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   if (bias.has_value()) p.bias = *bias;
   p.tile_rows = tile_rows;
   p.small_rows = small_rows;
-  TORCH_CHECK(tile_rows == 0 || (p.dense.defined() && p.q4_rows == 0), "row tiles take a dense-only projection");
+  TORCH_CHECK(tile_rows == 0 || p.dense.defined(), "row tiles take a dense weight");
   return p;
 }
 
@@ -116,11 +116,12 @@ torch::Tensor grouped_gemv_f32(const torch::Tensor& x, const Projection& w) {
 
 // QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense
 // form (DenseLinear.forward for an fp32 weight, OneDNNLinear.forward for a prepacked bf16 one).
+// Deterministic inference (tile_rows > 0): an fp32 block form covers every row count (q4_rows
+// beyond any batch: BatchInvariantLinear.blocks), else the tiles or groups of the dense weight.
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   const bool f32 = x.scalar_type() == torch::kFloat;
-  if (w.tile_rows > 0) return f32 ? grouped_gemv_f32(x, w) : tiled_dense(x, w);
   const int64_t t = x.size(0);
-  if (t <= w.q4_rows || !w.dense.defined()) {
+  if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
     if (w.q8)
@@ -130,6 +131,7 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
                 : q4_gemv(xc, w.codes, w.scales, w.offsets, w.out_features, true);
     return w.bias.defined() ? out + w.bias : out;
   }
+  if (w.tile_rows > 0) return f32 ? grouped_gemv_f32(x, w) : tiled_dense(x, w);
   if (f32) return t <= w.small_rows ? gemv_f32(x, w.dense, optional(w.bias)) : at::linear(x, w.dense, optional(w.bias));
   return dense_linear(x, w.dense, w.bias);
 }
