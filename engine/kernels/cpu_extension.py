@@ -39,6 +39,7 @@ SOURCES = (
     "cpu_quant_gemv_f32.cpp",
     "cpu_gemv.cpp",
     "cpu_decode_layers.cpp",
+    "cpu_decode_f32_ops.cpp",
     "cpu_lora.cpp",
     "cpu_moe.cpp",
     "bindings.cpp",

@@ -14,9 +14,11 @@
 // through it.
 //
 // fp32 (the transformers parity path, and the default dtype on CPUs without bf16 arithmetic):
-// the same loop, where each elementwise step is the torch ops the Python layers run (RMSNorm as
-// transformers computes it, rotary as x*cos + swapped*sin, silu(gate)*up, the residual adds), so
-// its bits are the Python layers' and greedy output stays transformers'; each projection runs the
+// the same loop, where each elementwise step rounds as the torch ops the Python layers run
+// (RMSNorm as transformers computes it and rotary as x*cos + swapped*sin in plain loops with
+// torch's roundings, cpu_decode_f32_ops.cpp; silu(gate)*up, the residual adds and Qwen3's q/k
+// norm as those torch ops), so its bits are the Python layers' and greedy output stays
+// transformers'; each projection runs the
 // form its Python module would for that row count (the fp32 block-quantized loops, gemv_f32 for a
 // few dense rows, at::linear above). On a 2-core AVX2 CPU the ~1,500 Python-level op calls of an
 // fp32 decode step of the default model were half its time.
@@ -145,17 +147,10 @@ torch::Tensor torch_rms_norm(const torch::Tensor& x, const torch::Tensor& w, dou
   return w * h.to(x.scalar_type());
 }
 
-// engine/layers/rotary.py apply_rotary: x*cos + (x2, x1)*signed_sin, each op as torch runs it.
-torch::Tensor torch_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  const torch::Tensor swapped = torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  return x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1);
-}
-
-// engine/layers/activation.py silu_and_mul: silu(gate) * up.
+// engine/layers/activation.py silu_and_mul: silu(gate) * up (the halves as views, as chunk gives them).
 torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
-  const std::vector<torch::Tensor> halves = gate_up.chunk(2, -1);
-  return torch::silu(halves[0]) * halves[1];
+  const int64_t half = gate_up.size(-1) / 2;
+  return torch::silu(gate_up.narrow(-1, 0, half)) * gate_up.narrow(-1, half, half);
 }
 
 }  // namespace
@@ -213,17 +208,16 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
   const bool f32 = x.scalar_type() == torch::kFloat;
   TORCH_CHECK(layers_.empty() || layers_[0].k_buffer.scalar_type() == x.scalar_type(), "x and the KV pool: one dtype");
   for (const DecodeLayer& layer : layers_) {
-    const torch::Tensor normed_in =
-        f32 ? torch_rms_norm(x, layer.input_norm, eps_) : rms_norm(x, layer.input_norm, eps_);
+    const torch::Tensor normed_in = f32 ? f32_rms_norm(x, layer.input_norm, eps_) : rms_norm(x, layer.input_norm, eps_);
     const torch::Tensor qkv = project(normed_in, layer.qkv, layer.lora[0]);
     // q and k are adjacent: normalise (Qwen3) and rotate them as one [T, H + KVH, D] slab (as
     // LlamaAttention does)
     torch::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
     if (layer.qk_norm.defined()) qk = torch_rms_norm(qk, layer.qk_norm, eps_);
-    qk = f32 ? torch_rotary(qk, cos, sin) : rotary(qk, cos, sin);
+    qk = f32 ? f32_rotary(qk, cos, sin) : rotary(qk, cos, sin);
     const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
-    layer.k_buffer.index_put_({out_cache_loc}, qk.narrow(1, h, kvh));
-    layer.v_buffer.index_put_({out_cache_loc}, v);
+    store_rows(layer.k_buffer, out_cache_loc, qk.narrow(1, h, kvh));
+    store_rows(layer.v_buffer, out_cache_loc, v);
     const torch::Tensor q = qk.narrow(1, 0, h).contiguous();
     const torch::Tensor attn =
         prefix_lens.has_value()
@@ -233,7 +227,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     torch::Tensor normed;
     if (f32) {  // AddRMSNorm's torch form: a new residual sum, then the norm
       x = x + attn_out;
-      normed = torch_rms_norm(x, layer.post_norm, eps_);
+      normed = f32_rms_norm(x, layer.post_norm, eps_);
     } else {
       normed = add_rms_norm_(x, attn_out, layer.post_norm, eps_);
     }

@@ -55,6 +55,13 @@ LoRAProjection lora_projection(torch::Tensor a, torch::Tensor bt, torch::Tensor 
 // (cpu_lora.cpp); a projection without LoRA buffers is left alone.
 void add_lora(const torch::Tensor& x, torch::Tensor& y, const LoRAProjection& w, const int64_t* row_slots);
 
+// The fp32 loop's elementwise steps with the Python layers' torch roundings (cpu_decode_f32_ops.cpp):
+// norm.py rms_norm of contiguous [T, N] rows, rotary.py apply_rotary of [T, NH, D] heads (a new
+// contiguous tensor), and KVCache.set_kv's copy of [T, KVH, D] rows to buffer[loc] (any dtype).
+torch::Tensor f32_rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor f32_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+void store_rows(const torch::Tensor& buffer, const torch::Tensor& loc, const torch::Tensor& rows);
+
 class DecodeLayers {
  public:
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
