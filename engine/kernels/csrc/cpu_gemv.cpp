@@ -1,7 +1,7 @@
 // fp32 y = x @ W.T (+ b) for a few rows of x on CPUs: the projections of an fp32 decode step.
 //
 // Why: a decode step of a small batch reads every weight once, so it is bound by memory
-// bandwidth. torch's F.linear hands 1-4 fp32 rows to MKL, which read the weights at ~11 GB/s
+// bandwidth. torch's F.linear hands 1-8 fp32 rows to MKL, which read the weights at ~11 GB/s
 // on one thread and did not use a second (2-core AMD Zen 3, AVX2: a plain sum streams 20 GB/s on
 // one thread, 30 GB/s on two). Here each thread streams its own band of W's rows, every row read
 // once for all rows of x (at most kMaxRows, which stay in L1; four at a time).
