@@ -1,11 +1,28 @@
-"""A check shared by the fused decode loop's tests (tests/test_fused_decode*.py): every fused
-forward also runs the Python layers on the same input and KV state, and must match to the bit."""
+"""What the fused decode loop's tests share (tests/test_fused_decode*.py): the check that every
+fused forward also runs the Python layers on the same input and KV state and matches them to the
+bit, the tiny Qwen/Llama shape with head_dim 64 (the attention kernels' smallest), and a tiny
+Llama with two real PEFT adapters."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.layers.fused_decode import FusedDecodeLayers
+
+# Qwen2 (q|k|v biases), Qwen3 (q/k norm) and Llama with head_dim 64, the kernels' smallest
+QWEN_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 
 def check_every_fused_forward(monkeypatch, model, lora_rows: list[int] | None = None) -> list[tuple[str, int]]:
@@ -28,3 +45,23 @@ def check_every_fused_forward(monkeypatch, model, lora_rows: list[int] | None = 
 
     monkeypatch.setattr(FusedDecodeLayers, "forward", checked)
     return seen
+
+
+def llama_with_adapters(tmp_path: Path) -> tuple[Any, dict]:
+    """A tiny random Llama of QWEN_SHAPE saved under tmp_path/base and two PEFT adapters of it
+    ("all": every projection at r=4, "rslora": rsLoRA r=8 on q/v/down): the model source and the
+    ServerArgs options serving them with one adapter slot fewer than adapters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.models.loader import resolve_model
+    from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in QWEN_SHAPE.items() if k != "rms_norm_eps"}
+    hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    hf.save_pretrained(tmp_path / "base", safe_serialization=True)
+    paths = []
+    for i, name in enumerate(("all", "rslora")):
+        wrap(hf, name, LLAMA_ADAPTERS[name], seed=50 + i, scale=0.05).save_pretrained(tmp_path / name)
+        paths.append(f"{name}={tmp_path / name}")
+    return resolve_model(str(tmp_path / "base")), dict(lora_paths=paths, max_loras_per_batch=1)

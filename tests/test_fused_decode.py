@@ -21,7 +21,7 @@ from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
-from tests.fused_checks import check_every_fused_forward
+from tests.fused_checks import QWEN_SHAPE, check_every_fused_forward, llama_with_adapters
 
 pytestmark = pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no fused decode layers")
 
@@ -99,18 +99,8 @@ def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source
     sched.scheduler.check_memory()
 
 
-# Qwen2 (q|k|v biases) and Qwen3 (q/k norm) with head_dim 64, the kernels' smallest: dense bf16
-# safetensors models, so every projection runs its oneDNN weight in the loop.
-QWEN_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-)
+# Qwen2 (q|k|v biases) and Qwen3 (q/k norm): dense bf16 safetensors models of QWEN_SHAPE, so every
+# projection runs its oneDNN weight in the loop.
 
 
 @pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3-qknorm", "qwen2-bias-int8wo"])
@@ -156,21 +146,7 @@ def test_lora_rows_run_fused_bit_identically(tmp_path, monkeypatch):
     """A batch mixing the base model and two PEFT adapters (bf16: the LoRA pool's C++ loops) stays
     in the fused loop, whose deltas after each projection are bit-identical to the Python layers'
     (prefills and decodes, adapters swapped through one slot fewer than they are)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.models.loader import resolve_model
-    from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
-
-    torch.manual_seed(0)
-    shape = {k: v for k, v in QWEN_SHAPE.items() if k != "rms_norm_eps"}
-    hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
-    hf.save_pretrained(tmp_path / "base", safe_serialization=True)
-    paths = []
-    for i, name in enumerate(("all", "rslora")):
-        wrap(hf, name, LLAMA_ADAPTERS[name], seed=50 + i, scale=0.05).save_pretrained(tmp_path / name)
-        paths.append(f"{name}={tmp_path / name}")
-    source = resolve_model(str(tmp_path / "base"))
-    lora = dict(lora_paths=paths, max_loras_per_batch=1)
+    source, lora = llama_with_adapters(tmp_path)
     runner = _runner(source, **lora)
     model = runner.model
     assert runner.lora.pool.kernel == "cpu" and model.fused_decode is not None and model.fused_decode.lora

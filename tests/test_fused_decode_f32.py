@@ -21,8 +21,7 @@ from engine.layers.linear import BatchInvariantLinear, DenseLinear, QuantLinear
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
-from tests.fused_checks import check_every_fused_forward
-from tests.test_fused_decode import QWEN_SHAPE
+from tests.fused_checks import QWEN_SHAPE, check_every_fused_forward, llama_with_adapters
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="CPU kernels not built: no fused decode loop")
 
@@ -144,21 +143,7 @@ def test_fp32_adapter_rows_run_fused_bit_identically(tmp_path, monkeypatch):
     after each projection (csrc/cpu_lora.cpp, which the Python layers call too) are bit-identical
     to the Python layers' (prefills and decodes, adapters swapped through one slot fewer than
     they are)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.models.loader import resolve_model
-    from tests.lora_fixtures import LLAMA_ADAPTERS, wrap
-
-    torch.manual_seed(0)
-    shape = {k: v for k, v in QWEN_SHAPE.items() if k != "rms_norm_eps"}
-    hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
-    hf.save_pretrained(tmp_path / "base", safe_serialization=True)
-    paths = []
-    for i, name in enumerate(("all", "rslora")):
-        wrap(hf, name, LLAMA_ADAPTERS[name], seed=50 + i, scale=0.05).save_pretrained(tmp_path / name)
-        paths.append(f"{name}={tmp_path / name}")
-    source = resolve_model(str(tmp_path / "base"))
-    lora = dict(lora_paths=paths, max_loras_per_batch=1)
+    source, lora = llama_with_adapters(tmp_path)
     runner = _runner(source, **lora)
     fused = runner.model.fused_decode
     assert runner.lora.pool.kernel == "cpu" and fused is not None and fused.lora
