@@ -11,7 +11,9 @@
 // way of its own (the sum of squares, a reduction; rsqrt) is still torch's.
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "decode_layers.h"
@@ -19,6 +21,14 @@
 #pragma GCC optimize("fp-contract=off")
 
 namespace asyncllm {
+
+namespace {
+
+// Rows per parallel task: about 16K values, so a decode step's few rows stay on one thread (each
+// row's values do not depend on the split).
+int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
+
+}  // namespace
 
 // engine/layers/norm.py rms_norm on fp32 rows [T, N] (contiguous): w * (x * rsqrt(mean(x^2) + eps)).
 // torch's own sum of squares and rsqrt (ATen's rsqrt is not 1 / sqrt for every value), the rest
@@ -38,14 +48,16 @@ torch::Tensor f32_rms_norm(const torch::Tensor& x, const torch::Tensor& w, doubl
   torch::Tensor out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r) {
-    const float* xr = xp + r * n;
-    float* orow = op + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      const float h = xr[i] * ip[r];
-      orow[i] = wp[i] * h;
+  at::parallel_for(0, t, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * n;
+      float* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float h = xr[i] * ip[r];
+        orow[i] = wp[i] * h;
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -61,21 +73,24 @@ torch::Tensor f32_rotary(const torch::Tensor& x, const torch::Tensor& cos, const
   torch::Tensor out = torch::empty({t, nh, d}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r) {
-    const float *c = cp + r * d, *s = sp + r * d;
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* xr = xp + r * x.stride(0) + h * x.stride(1);
-      float* orow = op + (r * nh + h) * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = xr[i] * c[i], b = xr[i + half] * s[i];
-        orow[i] = a + b;
-      }
-      for (int64_t i = half; i < d; ++i) {
-        const float a = xr[i] * c[i], b = xr[i - half] * s[i];
-        orow[i] = a + b;
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  at::parallel_for(0, t, grain_rows(nh * d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *c = cp + r * d, *s = sp + r * d;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* xr = xp + r * row_stride + h * head_stride;
+        float* orow = op + (r * nh + h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = xr[i] * c[i], b = xr[i + half] * s[i];
+          orow[i] = a + b;
+        }
+        for (int64_t i = half; i < d; ++i) {
+          const float a = xr[i] * c[i], b = xr[i - half] * s[i];
+          orow[i] = a + b;
+        }
       }
     }
-  }
+  });
   return out;
 }
 

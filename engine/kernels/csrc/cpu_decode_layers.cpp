@@ -18,10 +18,10 @@
 // (RMSNorm as transformers computes it and rotary as x*cos + swapped*sin in plain loops with
 // torch's roundings, cpu_decode_f32_ops.cpp; silu(gate)*up, the residual adds and Qwen3's q/k
 // norm as those torch ops), so its bits are the Python layers' and greedy output stays
-// transformers'; each projection runs the
-// form its Python module would for that row count (the fp32 block-quantized loops, gemv_f32 for a
-// few dense rows, at::linear above). On a 2-core AVX2 CPU the ~1,500 Python-level op calls of an
-// fp32 decode step of the default model were half its time.
+// transformers'; each projection runs the form its Python module would for that row count (the
+// fp32 block-quantized loops, gemv_f32 for a few dense rows, at::linear above). On a 2-core AVX2
+// CPU the ~1,500 Python-level op calls of an fp32 decode step of the default model were half its
+// time.
 //
 // Scope (checked on the Python side): Llama-style layers (projection biases as Qwen2 has them, the
 // q/k norm of Qwen3), SiLU, bf16 with every projection 4-bit and/or prepacked for oneDNN and the
@@ -204,7 +204,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     if (row_slots != nullptr) add_lora(in, out, lora, row_slots);
     return out;
   };
-  // fp32: the Python layers' torch ops between the projections (see the file comment)
+  // fp32: the Python layers' elementwise steps with their torch roundings (see the file comment)
   const bool f32 = x.scalar_type() == torch::kFloat;
   TORCH_CHECK(layers_.empty() || layers_[0].k_buffer.scalar_type() == x.scalar_type(), "x and the KV pool: one dtype");
   for (const DecodeLayer& layer : layers_) {
