@@ -1,7 +1,7 @@
 """What the fused decode loop's tests share (tests/test_fused_decode*.py): the check that every
 fused forward also runs the Python layers on the same input and KV state and matches them to the
-bit, the tiny Qwen/Llama shape with head_dim 64 (the attention kernels' smallest), and a tiny
-Llama with two real PEFT adapters."""
+bit, the tiny Qwen/Llama shape with head_dim 64 (the attention kernels' smallest), a random Qwen2
+or Qwen3 checkpoint of it, and a tiny Llama with two real PEFT adapters."""
 
 from __future__ import annotations
 
@@ -65,3 +65,18 @@ def llama_with_adapters(tmp_path: Path) -> tuple[Any, dict]:
         wrap(hf, name, LLAMA_ADAPTERS[name], seed=50 + i, scale=0.05).save_pretrained(tmp_path / name)
         paths.append(f"{name}={tmp_path / name}")
     return resolve_model(str(tmp_path / "base")), dict(lora_paths=paths, max_loras_per_batch=1)
+
+
+def random_qwen(qwen2: bool, folder: Path) -> Any:
+    """A random fp32 transformers Qwen2 (q|k|v biases) or Qwen3 (q/k norm) of QWEN_SHAPE, every
+    weight drawn (biases and norm weights included), saved as safetensors in `folder`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    config = Qwen2Config(**QWEN_SHAPE) if qwen2 else Qwen3Config(**QWEN_SHAPE, head_dim=64)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf

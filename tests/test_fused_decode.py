@@ -21,7 +21,7 @@ from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
-from tests.fused_checks import QWEN_SHAPE, check_every_fused_forward, llama_with_adapters
+from tests.fused_checks import check_every_fused_forward, llama_with_adapters, random_qwen
 
 pytestmark = pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no fused decode layers")
 
@@ -101,24 +101,14 @@ def test_speculative_verify_runs_fused_and_keeps_the_plain_output(default_source
 
 # Qwen2 (q|k|v biases) and Qwen3 (q/k norm): dense bf16 safetensors models of QWEN_SHAPE, so every
 # projection runs its oneDNN weight in the loop.
-
-
 @pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3-qknorm", "qwen2-bias-int8wo"])
 def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
     """Qwen2's biases and Qwen3's q/k norm in the loop; with `--torchao-config int8wo` the Q8_0
     kernel runs there too (below the bound, oneDNN above)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
     from engine.models.loader import resolve_model
 
     qwen2 = kind.startswith("qwen2")
-    config = Qwen2Config(**QWEN_SHAPE) if qwen2 else Qwen3Config(**QWEN_SHAPE, head_dim=64)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # every weight random, biases and norm weights included
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    random_qwen(qwen2, tmp_path)
     source = resolve_model(str(tmp_path))
     quant = dict(torchao_config="int8wo") if kind.endswith("int8wo") else {}
     runner = _runner(source, **quant)

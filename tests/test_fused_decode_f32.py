@@ -21,7 +21,7 @@ from engine.layers.linear import BatchInvariantLinear, DenseLinear, QuantLinear
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs
-from tests.fused_checks import QWEN_SHAPE, check_every_fused_forward, llama_with_adapters
+from tests.fused_checks import check_every_fused_forward, llama_with_adapters, random_qwen
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="CPU kernels not built: no fused decode loop")
 
@@ -79,17 +79,9 @@ def test_fp32_fused_forwards_are_bit_identical_to_the_python_layers(
 def test_qwen_layers_run_fused_in_fp32_with_transformers_tokens(kind, tmp_path, monkeypatch):
     """Qwen2's q|k|v biases and Qwen3's q/k norm in the fp32 loop: bit-identical to the Python
     layers on every call, and the greedy tokens are transformers' own."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
     from engine.models.loader import resolve_model
 
-    config = Qwen2Config(**QWEN_SHAPE) if kind == "qwen2-bias" else Qwen3Config(**QWEN_SHAPE, head_dim=64)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # every weight random, biases and norm weights included
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf = random_qwen(kind == "qwen2-bias", tmp_path)
     runner = _runner(resolve_model(str(tmp_path)))
     assert runner.model.fused_decode is not None
     seen = check_every_fused_forward(monkeypatch, runner.model)

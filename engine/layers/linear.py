@@ -265,8 +265,8 @@ def finalize_linear(
     weight = dense.weight
     ours = isinstance(packed, (TiledQ4Weight, Q8Weight))  # torch's int4pack form takes bf16 only
     if row_tiles is not None:
-        fp32_blocks = ours and row_tiles.decode_loop and weight.dtype == torch.float32
-        return BatchInvariantLinear(big, row_tiles, packed if fp32_blocks else None)
+        # decode_loop: an fp32 CPU model with the fixed-order loops built
+        return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_loop else None)
     if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
         dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)
