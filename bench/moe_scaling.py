@@ -21,6 +21,7 @@ from pathlib import Path
 from bench.offline import make_workload, run_ours
 from bench.random_checkpoint import VOCAB, make_checkpoint
 from bench.weight_update import cpu_isa
+from engine import ServerArgs
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, int], float]:
@@ -28,8 +29,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], float]:
     ap.add_argument("--experts", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--workloads", nargs="+", default=["W3", "single"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = ap.parse_args(argv)
-    print(f"isa={cpu_isa()} layers={args.layers} top-2, moe_intermediate 256, bf16")
+    dtype = ServerArgs(model_path="", dtype=args.dtype).resolved_dtype()  # what a user gets
+    print(f"isa={cpu_isa()} layers={args.layers} top-2, moe_intermediate 256, dtype {args.dtype} = {dtype}")
     tps: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.experts:
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], float]:
             params = make_checkpoint("qwen3-moe-small", folder, num_hidden_layers=args.layers, num_experts=n,
                                      num_experts_per_tok=2)  # fmt: skip
             ns = argparse.Namespace(
-                model_path=str(folder), dtype="bfloat16", threads=None, max_total_tokens=None,
+                model_path=str(folder), dtype=str(dtype).removeprefix("torch."), threads=None, max_total_tokens=None,
                 disable_cascade_attention=False,
             )  # fmt: skip
             for name in args.workloads:

@@ -24,10 +24,10 @@ runs only the (token, choice) pairs routed to them: the all-reduce sums the sets
 router is replicated, so every rank routes every token alike. The per-expert loop reads the
 group sizes on the host: no CUDA graph can capture it. On CUDA the experts run as two grouped
 Triton GEMMs instead (triton_moe.py: no host read; pairs summed per token in a fixed order). On a
-CPU in bf16, a forward whose mean expert group is small (`KERNEL_MAX_GROUP`: decode steps, short
-prefills) runs every expert in one C++ call (engine/kernels/csrc/cpu_moe.cpp: the same roundings,
-no op per expert); fp32 keeps the grouped torch path, which transformers' op order makes
-token-identical.
+CPU (bf16 or fp32), a forward whose mean expert group is small (`KERNEL_MAX_GROUP`: decode steps,
+short prefills) runs every expert in one C++ call (engine/kernels/csrc/cpu_moe.cpp: the same
+roundings and summation order over experts, no op per expert; only each dot product's internal
+order differs from the GEMM library's, and fp32 greedy tokens stay transformers', tested).
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ from engine.distributed.parallel_state import TPGroup
 from engine.kernels import cpu_extension
 from engine.layers.activation import get_act_and_mul
 
-# A bf16 CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is
-# at most this many (token, expert) pairs, one block of the kernel; larger groups go faster through
-# oneDNN's GEMMs (measured crossover at 8-10 pairs for 8 and 64 experts: docs/PERFORMANCE.md).
-KERNEL_MAX_GROUP = 8
+# A CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is at
+# most this many (token, expert) pairs; larger groups go faster through the library GEMMs. Measured
+# crossovers (docs/PERFORMANCE.md), 8 and 64 experts: bf16 against oneDNN at 8-10 pairs; fp32
+# against MKL's sgemm at 16-64 (the kernel's fp32 rows need no widening, and sgemm runs at a lower
+# rate than the AMX/AVX512-BF16 GEMMs).
+KERNEL_MAX_GROUP = {torch.bfloat16: 8, torch.float32: 24}
 
 
 class FusedMoE(nn.Module):
@@ -78,9 +80,10 @@ class FusedMoE(nn.Module):
         self.w13 = param(local, 2 * intermediate_size, hidden_size)
         self.w2 = param(local, hidden_size, intermediate_size)
         self.act_fn = get_act_and_mul(hidden_act, intermediate_size, device, dtype)
-        # bf16 on a CPU: forwards of a few tokens run every expert in one C++ call (cpu_moe.cpp)
-        module = cpu_extension.load() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        # on a CPU, forwards of a few tokens run every expert in one C++ call (cpu_moe.cpp)
+        module = cpu_extension.load() if device.type == "cpu" and dtype in KERNEL_MAX_GROUP else None
         self.kernel = module if hidden_act == "silu" and hasattr(module, "moe_experts") else None
+        self.kernel_max_pairs = KERNEL_MAX_GROUP.get(dtype, 0) * num_experts
 
     def holds(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.num_local_experts
@@ -138,7 +141,7 @@ class FusedMoE(nn.Module):
             from engine.layers.triton_moe import fused_experts  # a CPU model never imports triton
 
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn, self.expert_start))
-        if self.kernel is not None and x.shape[0] * self.top_k <= KERNEL_MAX_GROUP * self.num_experts:
+        if self.kernel is not None and x.shape[0] * self.top_k <= self.kernel_max_pairs:
             out = self.kernel.moe_experts(x, self.w13, self.w2, ids - self.expert_start, weights.float())
             return self.tp.all_reduce(out)
         return self.tp.all_reduce(self.experts(x, weights, ids))

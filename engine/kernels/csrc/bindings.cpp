@@ -67,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemv_f32", &q8_gemv_f32, "fp32 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 tokens (engine/layers/moe.py)",
+  m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 or fp32 tokens (engine/layers/moe.py)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<asyncllm::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<int64_t, int64_t, int64_t, double, double>())

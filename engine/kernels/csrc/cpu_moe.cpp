@@ -1,4 +1,5 @@
-// A mixture-of-experts MLP's experts for a few tokens, bf16, in one call (engine/layers/moe.py).
+// A mixture-of-experts MLP's experts for a few tokens, bf16 or fp32, in one call
+// (engine/layers/moe.py).
 //
 // Why: a decode step of a MoE model routes its tokens to many experts with one or two tokens
 // each; the grouped torch path ran two GEMM calls, an activation, a scale and an index_add per
@@ -8,19 +9,21 @@
 // (each weight row loaded once per block), the work spread over the threads by output columns,
 // so a step costs the routed experts' weight reads and little else.
 //
-// Roundings follow the torch path (FusedMoE.experts on bf16 tensors): gate and up rounded to
-// bf16, silu(gate) * up rounded to bf16, the down product rounded to bf16, times the routing
-// weight (fp32) rounded to bf16, added to the token's output in ascending expert order with one
-// rounding per add. Only the summation order inside each dot product differs from oneDNN's.
+// Roundings follow the torch path (FusedMoE.experts). bf16: gate and up rounded to bf16,
+// silu(gate) * up rounded to bf16, the down product rounded to bf16, times the routing weight
+// (fp32) rounded to bf16, added to the token's output in ascending expert order with one rounding
+// per add. fp32: the same steps with nothing to round. Only the summation order inside each dot
+// product differs from the GEMM libraries' (and, in fp32, exp's last bit inside SiLU).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
-#include "vec.h"
+#include "vec_native.h"
 
 namespace asyncllm {
 
@@ -35,24 +38,28 @@ inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-// dots[m] = rows[m] . w over `k` values, for M rows of fp32 (w bf16)
-template <int M>
-inline void dot_rows(const float* rows, int64_t k, const bf16* w, float* dots) {
-  const int64_t kv = k - k % 16;
-  v16f acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = splat(0.0f);
-  for (int64_t i = 0; i < kv; i += 16) {
-    const v16f wi = load16(w + i);
-    for (int m = 0; m < M; ++m) acc[m] += load16(rows + m * k + i) * wi;
+// dots[m] = rows[m] . w over `k` values, for M rows of fp32 (w bf16 or fp32); vectors of the
+// machine's width (an AVX2 machine kept 16-lane accumulators in memory)
+template <int M, typename T>
+inline void dot_rows(const float* rows, int64_t k, const T* w, float* dots) {
+  using native::vf;
+  constexpr int kW = native::kWidth;
+  const int64_t kv = k - k % kW;
+  vf acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = native::broadcast(0.0f);
+  for (int64_t i = 0; i < kv; i += kW) {
+    const vf wi = native::load(w + i);
+    for (int m = 0; m < M; ++m) acc[m] = native::fmadd(native::load(rows + m * k + i), wi, acc[m]);
   }
   for (int m = 0; m < M; ++m) {
-    float sum = hsum(acc[m]);
+    float sum = native::hsum(acc[m]);
     for (int64_t i = kv; i < k; ++i) sum += rows[m * k + i] * static_cast<float>(w[i]);
     dots[m] = sum;
   }
 }
 
-void dot_block(const float* rows, int m, int64_t k, const bf16* w, float* dots) {
+template <typename T>
+void dot_block(const float* rows, int m, int64_t k, const T* w, float* dots) {
   switch (m) {
 #define DOT_CASE(M) \
   case M: return dot_rows<M>(rows, k, w, dots);
@@ -61,24 +68,20 @@ void dot_block(const float* rows, int m, int64_t k, const bf16* w, float* dots) 
   }
 }
 
+// A value as the torch path holds it: bf16 rounds, fp32 keeps
+template <typename T>
+inline float held(float v) {
+  if constexpr (std::is_same_v<T, bf16>) return round_bf16(v);
+  return v;
+}
+
 struct Block {
   int64_t expert, first, rows;  // pairs [first, first + rows) of the expert-sorted order
 };
 
-}  // namespace
-
-}  // namespace asyncllm
-
-// out[t] = sum over token t's (expert, weight) pairs held here of weight * expert(x[t]).
-// x [T, H] bf16; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] bf16; ids [T, K]
-// int64 expert ids relative to this rank's first (outside [0, E): another rank's, skipped);
-// weights [T, K] fp32. The activation is SiLU (Qwen3-MoE's and Mixtral's).
-torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
-                          torch::Tensor weights) {
-  using asyncllm::bf16;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == torch::kBFloat16 &&
-                  w2.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
-              "moe_experts: bf16 tensors on the CPU");
+template <typename T>
+torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const torch::Tensor& w2,
+                         const torch::Tensor& ids, const torch::Tensor& weights) {
   TORCH_CHECK(ids.scalar_type() == torch::kLong && weights.scalar_type() == torch::kFloat &&
                   ids.sizes() == weights.sizes() && ids.dim() == 2 && ids.size(0) == x.size(0),
               "moe_experts: ids int64 and weights fp32, [T, K] each");
@@ -96,69 +99,86 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
   for (int64_t p = 0; p < t * top_k; ++p)
     if (id[p] >= 0 && id[p] < experts) order.push_back(p);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
-  std::vector<asyncllm::Block> blocks;
+  std::vector<Block> blocks;
   for (size_t i = 0; i < order.size();) {
     size_t end = i + 1;
     while (end < order.size() && id[order[end]] == id[order[i]]) ++end;
-    for (size_t j = i; j < end; j += asyncllm::kMaxRows)
+    for (size_t j = i; j < end; j += kMaxRows)
       blocks.push_back({id[order[i]], static_cast<int64_t>(j),
-                        static_cast<int64_t>(std::min<size_t>(asyncllm::kMaxRows, end - j))});
+                        static_cast<int64_t>(std::min<size_t>(kMaxRows, end - j))});
     i = end;
   }
   torch::Tensor out = torch::zeros_like(xc);
   if (order.empty()) return out;
   const int64_t pairs = static_cast<int64_t>(order.size());
 
-  // x widened once per pair (rows of a block are contiguous in this buffer), then h = silu(gate) * up
+  // x gathered (and widened) once per pair: the rows of a block are contiguous in this buffer
   std::vector<float> xf(pairs * hidden), h(pairs * inter);
-  const bf16* xp = xc.data_ptr<bf16>();
+  const T* xp = xc.data_ptr<T>();
   at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i = 0; i < hidden; ++i) xf[p * hidden + i] = static_cast<float>(xp[order[p] / top_k * hidden + i]);
   });
-  const bf16* w13p = w13c.data_ptr<bf16>();
-  const int64_t inter_tiles = (inter + asyncllm::kColTile - 1) / asyncllm::kColTile;
+  const T* w13p = w13c.data_ptr<T>();
+  const int64_t inter_tiles = (inter + kColTile - 1) / kColTile;
   const int64_t nblocks = static_cast<int64_t>(blocks.size());
   at::parallel_for(0, nblocks * inter_tiles, 1, [&](int64_t j0, int64_t j1) {
-    float gate[asyncllm::kMaxRows], up[asyncllm::kMaxRows];
+    float gate[kMaxRows], up[kMaxRows];
     for (int64_t job = j0; job < j1; ++job) {
-      const asyncllm::Block& b = blocks[job / inter_tiles];
-      const int64_t c0 = job % inter_tiles * asyncllm::kColTile, c1 = std::min(inter, c0 + asyncllm::kColTile);
+      const Block& b = blocks[job / inter_tiles];
+      const int64_t c0 = job % inter_tiles * kColTile, c1 = std::min(inter, c0 + kColTile);
       const float* rows = xf.data() + b.first * hidden;
-      const bf16* we = w13p + b.expert * 2 * inter * hidden;
+      const T* we = w13p + b.expert * 2 * inter * hidden;
       for (int64_t c = c0; c < c1; ++c) {
-        asyncllm::dot_block(rows, static_cast<int>(b.rows), hidden, we + c * hidden, gate);
-        asyncllm::dot_block(rows, static_cast<int>(b.rows), hidden, we + (inter + c) * hidden, up);
+        dot_block(rows, static_cast<int>(b.rows), hidden, we + c * hidden, gate);
+        dot_block(rows, static_cast<int>(b.rows), hidden, we + (inter + c) * hidden, up);
         for (int64_t m = 0; m < b.rows; ++m) {
-          const float g = asyncllm::round_bf16(gate[m]), u = asyncllm::round_bf16(up[m]);
-          h[(b.first + m) * inter + c] = asyncllm::round_bf16(asyncllm::silu(g) * u);
+          const float g = held<T>(gate[m]), u = held<T>(up[m]);
+          h[(b.first + m) * inter + c] = held<T>(silu(g) * u);
         }
       }
     }
   });
 
   // down rows, scaled and summed per token; a job owns columns of `out`, so experts add in order
-  const bf16* w2p = w2c.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t hidden_tiles = (hidden + asyncllm::kColTile - 1) / asyncllm::kColTile;
+  const T* w2p = w2c.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t hidden_tiles = (hidden + kColTile - 1) / kColTile;
   at::parallel_for(0, hidden_tiles, 1, [&](int64_t j0, int64_t j1) {
-    float down[asyncllm::kMaxRows];
+    float down[kMaxRows];
     for (int64_t job = j0; job < j1; ++job) {
-      const int64_t c0 = job * asyncllm::kColTile, c1 = std::min(hidden, c0 + asyncllm::kColTile);
-      for (const asyncllm::Block& b : blocks) {
+      const int64_t c0 = job * kColTile, c1 = std::min(hidden, c0 + kColTile);
+      for (const Block& b : blocks) {
         const float* rows = h.data() + b.first * inter;
-        const bf16* we = w2p + b.expert * hidden * inter;
+        const T* we = w2p + b.expert * hidden * inter;
         for (int64_t c = c0; c < c1; ++c) {
-          asyncllm::dot_block(rows, static_cast<int>(b.rows), inter, we + c * inter, down);
+          dot_block(rows, static_cast<int>(b.rows), inter, we + c * inter, down);
           for (int64_t m = 0; m < b.rows; ++m) {
             const int64_t pair = order[b.first + m];
-            const float y = asyncllm::round_bf16(asyncllm::round_bf16(down[m]) * wt[pair]);
-            bf16& o = op[pair / top_k * hidden + c];
-            o = static_cast<bf16>(static_cast<float>(o) + y);
+            const float y = held<T>(held<T>(down[m]) * wt[pair]);
+            T& o = op[pair / top_k * hidden + c];
+            o = static_cast<T>(static_cast<float>(o) + y);
           }
         }
       }
     }
   });
   return out;
+}
+
+}  // namespace
+}  // namespace asyncllm
+
+// out[t] = sum over token t's (expert, weight) pairs held here of weight * expert(x[t]).
+// x [T, H], w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], all bf16 or all fp32; ids
+// [T, K] int64 expert ids relative to this rank's first (outside [0, E): another rank's, skipped);
+// weights [T, K] fp32. The activation is SiLU (Qwen3-MoE's and Mixtral's).
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
+                          torch::Tensor weights) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat) && w13.scalar_type() == dtype &&
+                  w2.scalar_type() == dtype && x.device().is_cpu(),
+              "moe_experts: bf16 or fp32 tensors, one dtype, on the CPU");
+  if (dtype == torch::kFloat) return asyncllm::experts_of<float>(x, w13, w2, ids, weights);
+  return asyncllm::experts_of<asyncllm::bf16>(x, w13, w2, ids, weights);
 }
