@@ -34,6 +34,7 @@ from engine.api import (
     StepRecord,
     StreamDelta,
 )
+from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.constrained import GrammarBackend, JsonBounds
 from engine.device import DeviceStream, make_device_stream
 from engine.device.cpu_threads import default_torch_threads
@@ -45,6 +46,7 @@ from engine.operations import EngineOperations
 from engine.profiler import EngineProfiler
 from engine.recorder.ring import FlightRecorder, make_header
 from engine.sampling import SamplingParams
+from engine.scheduler.restart import hand_over
 from engine.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class Engine(EngineOperations, LoRAOperations):
         self._stream: DeviceStream | None = None
         self._died: asyncio.Event | None = None
         self._tp: TPDriver | None = None  # tensor parallelism: rank 0's side of the group
+        self._prefix_cache: BasePrefixCache | None = None  # the last run's, kept for the next start()
         self.death_reason: str | None = None  # why the engine turned unhealthy, once it has
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -108,7 +111,8 @@ class Engine(EngineOperations, LoRAOperations):
         log.info(
             "torch threads: %d for the forward, %d for the event loop", self._forward_threads, torch.get_num_threads()
         )
-        pipeline = build_pipeline(runner, args, self._stream, self._tokenizer, self._grammar_backend)
+        cache, self._prefix_cache = self._prefix_cache, None
+        pipeline = build_pipeline(runner, args, self._stream, self._tokenizer, self._grammar_backend, cache)
         self._died = asyncio.Event()
         self._system = ActorSystem(on_crash=self._on_crash)
         for actor in pipeline.actors:
@@ -143,7 +147,7 @@ class Engine(EngineOperations, LoRAOperations):
         if self._profiler is not None:  # a running profile is written while the stream still runs
             await self._profiler.close()
             self._profiler = None
-        healthy = self.healthy
+        healthy, ran = self.healthy, self._system is not None
         if self._system is not None:
             try:
                 await self._system.stop_all()
@@ -161,6 +165,9 @@ class Engine(EngineOperations, LoRAOperations):
             except TimeoutError:
                 log.error("the device stream did not drain within %s s; abandoning it", STREAM_CLOSE_TIMEOUT_S)
             self._stream = None
+        if ran and self._scheduler is not None:  # the device is idle now: the pools can be handed over
+            # kept for a next start() on one rank (a restart of tensor parallelism is new ranks, new KV)
+            self._prefix_cache = hand_over(self._scheduler.sched, keep=healthy and self._tp is None)
         if self._tp is not None:
             await asyncio.to_thread(self._tp.stop, healthy)
             self._tp = None

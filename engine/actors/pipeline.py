@@ -18,6 +18,7 @@ from engine.actors.overlap_scheduler import OverlapScheduler
 from engine.actors.prefill_adder import PrefillAdderActor
 from engine.actors.receiver import Receiver
 from engine.actors.runtime import Actor
+from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.constrained import GrammarBackend
 from engine.device import DeviceStream
 from engine.model_executor.model_runner import ModelRunner
@@ -52,10 +53,13 @@ def build_pipeline(
     stream: DeviceStream,
     tokenizer: Any,
     grammar_backend: GrammarBackend | None,
+    prefix_cache: BasePrefixCache | None = None,
 ) -> Pipeline:
+    """The actors over `runner`; `prefix_cache`: what the last pipeline's scheduler handed over."""
     cfg = runner.model_config
     pool_tokens = runner.token_to_kv_pool_allocator.size
-    sched = Scheduler(runner, args, tokenizer)  # it checks stop strings itself (the same text as `output`)
+    # it checks stop strings itself (the same text as `output`)
+    sched = Scheduler(runner, args, tokenizer, prefix_cache)
     scheduler = OverlapScheduler(sched, stream, args.resolved_enable_overlap(), args.resolved_watchdog_timeout())
     adder = PrefillAdderActor(sched.new_planner(), cfg.eos_token_ids, runner.context_len, pool_tokens)
     dispatcher = Dispatcher(routing_table(adder, scheduler))

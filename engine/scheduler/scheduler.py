@@ -8,10 +8,9 @@ admission decision belong to the `PrefillPlanner` (waiting_queue.py). A round of
     plan = planner.plan(budget)                   # the PrefillAdder actor, or a direct call
     batch = scheduler.next_batch(plan)            # the prefill batch, else the decode batch
 
-Requests the scheduler gives back (retracted, or admitted but not placed) and those it ended on its own (never
-fit the pool) wait in two outboxes its owner empties after each round (`take_requeue`, `take_self_aborted`).
-Driven by `SyncScheduler` (step.py) or the `OverlapScheduler` actor. Results finish requests by EOS, stop ids,
-length and stop strings (stop_strings.py: `tokenizer` given).
+Requests it gives back (retracted, admitted but not placed) or ended itself (never fit the pool) wait in two
+outboxes its owner empties each round (`take_requeue`, `take_self_aborted`). Driven by `SyncScheduler` (step.py)
+or the `OverlapScheduler` actor; results finish requests by EOS, stop ids, length, stop strings (stop_strings.py).
 
 Overlap contract (SGLang's): batch N+1 is planned while N runs, so results are processed one step late:
 - a request finished by N (a stop string too) may sit in N+1; its extra token is dropped;
@@ -56,13 +55,15 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, args: ServerArgs, tokenizer: Any = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, args: ServerArgs, tokenizer: Any = None, prefix_cache: BasePrefixCache | None = None
+    ) -> None:  # prefix_cache: what the last scheduler over `runner` left (restart.py); None: pools all free
         self.runner, self.args = runner, args
         self.tokenizer = tokenizer  # stop strings are checked here with it (None: by the output side only)
         self.page_size, self.vocab_size = args.page_size, runner.model_config.vocab_size
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        self.tree_cache: BasePrefixCache = make_prefix_cache(
+        self.tree_cache: BasePrefixCache = prefix_cache or make_prefix_cache(
             self.req_to_token_pool, self.allocator, args.page_size, args.disable_radix_cache
         )
         self.lora = LoRAAdmission.of(runner)  # adapters pinned by held requests (LoRA off: a no-op)
@@ -81,8 +82,7 @@ class Scheduler:
         self.ran_since_idle = False  # a batch was planned since the scheduler was last idle
         self._requeue: list[Req] = []  # outbox: back to the waiting queue's head, in order
         self._self_aborted: list[Req] = []  # outbox: ended here, to be reported to their clients
-        # stats
-        self.num_retractions = 0
+        self.num_retractions = 0  # stats, from here on
         self.hit_tokens = self.prompt_tokens = self.generated_tokens = 0
         self.grammar_steps, self.grammar_mask_fill_s, self.grammar_mask_apply_s = 0, 0.0, 0.0  # masked batches
         self.started_at = time.perf_counter()
