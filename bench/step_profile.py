@@ -1,6 +1,6 @@
 """Where a workload's time goes: per-forward timings and the torch profiler's top ops.
 
-    python -m bench.step_profile --workload W2 [--dtype bfloat16] [--threads 2] [--profile]
+    python -m bench.step_profile --workload W2 [--model-path smollm2-135m] [--dtype bfloat16] [--threads 2] [--profile]
 
 Runs a bench.offline workload through the real scheduler and model runner in one thread
 (`engine.SyncScheduler`, the synchronous step: no overlap), so the forward passes can be timed
@@ -24,7 +24,7 @@ from engine import SamplingParams, ServerArgs, SyncScheduler, resolve_model
 
 def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> None:
     torch.set_num_threads(threads)
-    source = resolve_model("smollm2-135m")
+    source = resolve_model(engine_kw.get("model_path", "smollm2-135m"))
     wl = make_workload(workload, source.hf_config.vocab_size, 0)
     args = ServerArgs(dtype=dtype, device="cpu", max_running_requests=max(len(wl.prompts), 1), **engine_kw)
     sched = SyncScheduler.from_args(args)
@@ -61,6 +61,7 @@ def run(workload: str, dtype: str, threads: int, profile: bool, **engine_kw) -> 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="smollm2-135m")
     ap.add_argument("--workload", default="W2", choices=["W1", "W2", "W3", "single", *FAMILY])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disable-cascade-attention", action="store_true")
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     a = ap.parse_args(argv)
-    kw = {"disable_radix_cache": a.disable_radix_cache, "disable_cascade_attention": a.disable_cascade_attention}
+    kw = {
+        "model_path": a.model_path,
+        "disable_radix_cache": a.disable_radix_cache,
+        "disable_cascade_attention": a.disable_cascade_attention,
+    }
     if a.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = a.chunked_prefill_size
     run(a.workload, a.dtype, a.threads, a.profile, **kw)

@@ -3,9 +3,9 @@ a router picks `top_k` of `num_experts` gated MLPs per token and sums their outp
 
 `FusedMoE` (SGLang's name) holds every expert's weights stacked, in the model dtype: `w13`
 `[E, 2I, H]` (gate rows, then up rows: one GEMM per expert, as `LlamaMLP`'s fused gate|up) and
-`w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. Experts are dense only: no oneDNN-prepacked
-or int4 form yet (`process_weights_after_loading` finalizes `DenseLinear` modules, which these
-are not).
+`w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. An fp32 model loaded from a GGUF whose experts
+are Q4_0/Q4_1 also keeps them in those 4-bit blocks (moe_q4.py) for forwards of a few tokens;
+there is no oneDNN-prepacked form of the experts.
 
 Routing follows transformers' op order exactly (fp32 greedy tokens are compared token for token):
 router logits in the model dtype -> softmax in fp32 -> top-k -> divided by their sum when
@@ -39,6 +39,8 @@ from torch import nn
 from engine.distributed.parallel_state import TPGroup
 from engine.kernels import cpu_extension
 from engine.layers.activation import get_act_and_mul
+from engine.layers.int4 import Q4Blocks
+from engine.layers.moe_q4 import Q4Experts
 
 # A CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is at
 # most this many (token, expert) pairs; larger groups go faster through the library GEMMs. Measured
@@ -46,6 +48,10 @@ from engine.layers.activation import get_act_and_mul
 # against MKL's sgemm at 16-64 (the kernel's fp32 rows need no widening, and sgemm runs at a lower
 # rate than the AMX/AVX512-BF16 GEMMs).
 KERNEL_MAX_GROUP = {torch.bfloat16: 8, torch.float32: 24}
+# An fp32 forward runs the experts' 4-bit blocks (moe_q4.py), when it has them, while the mean
+# expert group is at most this many pairs: they beat the fp32 kernel at every group size measured
+# and the grouped sgemm path up to 32-64 pairs (docs/PERFORMANCE.md).
+Q4_MAX_GROUP = 32
 
 
 class FusedMoE(nn.Module):
@@ -84,6 +90,11 @@ class FusedMoE(nn.Module):
         module = cpu_extension.load() if device.type == "cpu" and dtype in KERNEL_MAX_GROUP else None
         self.kernel = module if hidden_act == "silu" and hasattr(module, "moe_experts") else None
         self.kernel_max_pairs = KERNEL_MAX_GROUP.get(dtype, 0) * num_experts
+        # the 4-bit experts, filled while loading (`keep_blocks`) and kept by `finish_loading`
+        four_bit = dtype == torch.float32 and hasattr(self.kernel, "moe_experts_q4") and Q4Experts.available()
+        self._q4_loading = Q4Experts(expert_start, local, intermediate_size) if four_bit else None
+        self.q4: Q4Experts | None = None
+        self.q4_max_pairs = Q4_MAX_GROUP * num_experts
 
     def holds(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.num_local_experts
@@ -99,6 +110,29 @@ class FusedMoE(nn.Module):
         if proj == "up_proj":
             return self.w13.data[expert, i:]
         return self.w2.data[expert]
+
+    @property
+    def takes_blocks(self) -> bool:
+        """Whether this layer (still loading) would run its experts' 4-bit blocks."""
+        return self._q4_loading is not None
+
+    def keep_blocks(self, expert: int, proj: str, blocks: object, tensor: torch.Tensor) -> None:
+        """A loaded expert projection's 4-bit blocks (its exact values), when it came with them
+        whole (a tensor-parallel slice has none); anything else leaves the layer dense only."""
+        if self._q4_loading is not None:
+            whole = isinstance(blocks, Q4Blocks) and tuple(blocks.q.shape) == tuple(tensor.shape)
+            self._q4_loading.add(expert, proj, blocks if whole else None)
+
+    def finish_loading(self, quantized: bool) -> None:
+        """Keep the 4-bit experts if every expert came with blocks and `quantized` (the model's
+        4-bit path is on)."""
+        loading, self._q4_loading = self._q4_loading, None
+        if loading is not None and loading.finish() and quantized:
+            self.q4 = loading
+
+    def drop_quantized(self) -> None:
+        """New dense values were copied in (a weight update): the 4-bit form is stale."""
+        self.q4 = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's routing weights and expert ids, `[T, top_k]` each (transformers' router)."""
@@ -141,7 +175,10 @@ class FusedMoE(nn.Module):
             from engine.layers.triton_moe import fused_experts  # a CPU model never imports triton
 
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn, self.expert_start))
-        if self.kernel is not None and x.shape[0] * self.top_k <= self.kernel_max_pairs:
+        pairs = x.shape[0] * self.top_k
+        if self.q4 is not None and pairs <= self.q4_max_pairs:
+            return self.tp.all_reduce(self.q4.run(self.kernel, x, ids - self.expert_start, weights.float()))
+        if self.kernel is not None and pairs <= self.kernel_max_pairs:
             out = self.kernel.moe_experts(x, self.w13, self.w2, ids - self.expert_start, weights.float())
             return self.tp.all_reduce(out)
         return self.tp.all_reduce(self.experts(x, weights, ids))

@@ -403,8 +403,11 @@ def iter_gguf_tensors(
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None
             except (ValueError, OSError) as e:
                 raise ModelLoadError(f"GGUF file {path}: {e}") from e
-            if f".experts.{EXPERTS}." in hf_name:  # experts run dense: no blocks
+            if f".experts.{EXPERTS}." in hf_name:  # one tensor per expert, each with its 4-bit blocks
+                wanted = with_q4 and index.architecture in _Q4_ARCHS and info.qtype in Q4_TYPES
+                per_expert = blocks.reshape(tensor.shape[0], -1) if wanted else None
                 for e in range(tensor.shape[0]):
-                    yield hf_name.replace(f".{EXPERTS}.", f".{e}."), tensor[e], None
+                    q4 = None if per_expert is None else q4_blocks(per_expert[e], info.qtype, tuple(tensor.shape[1:]))
+                    yield hf_name.replace(f".{EXPERTS}.", f".{e}."), tensor[e], q4
                 continue
             yield hf_name, tensor, q4

@@ -198,7 +198,8 @@ class LlamaForCausalLM(nn.Module):
 
         Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`); `quant`
         (`--torchao-config`) quantizes each decoder-layer projection part that came without, and
-        the part then loads as its blocks dequantized. Returns, by projection name, the quantized
+        the part then loads as its blocks dequantized (a MoE layer's experts too, with a 4-bit
+        config, where the layer can run them in 4 bits: moe_q4.py). Returns, by projection name, the quantized
         form of each projection whose every part came with blocks of one kind (one dense part, or
         a shape the kernel cannot take, leaves that projection dense only), and of the LM head
         when its weight (or the embedding it is tied to) came as Q8_0.
@@ -222,7 +223,12 @@ class LlamaForCausalLM(nn.Module):
             elif target.kind == EXPERT:
                 moe = self.get_submodule(target.path)
                 assert isinstance(moe, FusedMoE)
+                four_bit = quant is not None and quant.bits == 4 and moe.takes_blocks
+                if blocks is None and four_bit and quant.applies_to(tensor):  # int4wo: experts the 4-bit kernel runs
+                    blocks = quant.quantize(tensor)
+                    tensor = blocks.dequantize()
                 self._copy(moe.expert_weight(target.part, target.attr), tensor, name)
+                moe.keep_blocks(target.part, target.attr, blocks, tensor)
                 seen.add((f"{target.path}.experts.{target.attr}", target.part))
             elif target.kind == PART:
                 layer_weight = target.attr == "weight" and target.path != "lm_head"
@@ -341,10 +347,14 @@ class LlamaForCausalLM(nn.Module):
         oneDNN or quantized form exists (a tied LM head keeps the embedding table, which the lookup
         still reads). `batch_invariant` (deterministic inference): every projection, the LM head
         included, runs its dense form in fixed row tiles and no quantized form is kept (returns 0).
+        A MoE layer keeps its 4-bit experts (moe_q4.py) unless the quantized path is off.
         """
         for layer in self.layers:
             if layer.self_attn.qk_norm is not None:
                 layer.self_attn.qk_norm.process_weights_after_loading()
+        for module in self.modules():
+            if isinstance(module, FusedMoE):  # its 4-bit experts unless the quantized path is off
+                module.finish_loading(quantized=q4_max_rows != 0 and not batch_invariant)
         measure = q4_max_rows is None and not batch_invariant
         rows = 0 if batch_invariant else 1 if q4_max_rows is None else q4_max_rows  # 1: provisional while measuring
         weight = self.embed_tokens.weight

@@ -11,7 +11,8 @@ weight (recovered exactly from whatever form it runs as, `dense_weight`), with t
 overwritten, and finalized again. An updated projection runs dense (prepacked where that applies):
 new values come without 4-bit blocks, and quantizing a trainer's weights would serve other
 numbers than the trainer's. A MoE layer's expert tensors (engine/layers/moe.py) run from their
-stacked weights as they are: each is staged whole and copied into its rows. A whole new
+stacked weights as they are: each is staged whole and copied into its rows, and the layer drops
+its 4-bit experts (it runs dense from then on, as an updated projection does). A whole new
 checkpoint on disk is loaded as a new model instead (`ModelRunner.update_weights_from_disk`),
 which keeps a GGUF's quantized forms.
 """
@@ -124,6 +125,7 @@ def apply_staged(model: LlamaForCausalLM, staged: StagedWeights) -> None:
             moe = model.get_submodule(path)
             assert isinstance(moe, FusedMoE)
             moe.expert_weight(expert, proj).copy_(value)
+            moe.drop_quantized()
     for path, module in staged.modules.items():
         model.set_submodule(path, module)
     head = model.lm_head

@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_f32.h"
 #include "vec_native.h"
 
 using namespace asyncllm;
@@ -284,6 +285,20 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
 }
 
 }  // namespace
+
+void asyncllm::q4_block_sums_f32(const float* x, int64_t m_rows, int64_t k, float* sx) { block_sums(x, m_rows, k, sx); }
+
+void asyncllm::q4_tile_rows_f32(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
+                                const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m0 = 0; m0 < m_rows; m0 += kGroup) {
+    const int64_t rows = std::min<int64_t>(kGroup, m_rows - m0);
+    if (kVectorized)
+      q4_group(x + m0 * k, sx + m0 * nb, rows, k, codes, scales, offsets, y + m0 * n_out, n_out, t);
+    else
+      q4_tile_scalar(x + m0 * k, sx + m0 * nb, rows, k, codes, scales, offsets, y + m0 * n_out, n_out, t);
+  }
+}
 
 bool quant_gemv_f32_vectorized() { return kVectorized; }
 
