@@ -55,9 +55,9 @@ LAYER = {
 }
 
 
-def tiny_qwen3moe(seed: int = 0):
+def tiny_qwen3moe(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(**CONFIG, norm_topk_prob=True, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(**(CONFIG | overrides), norm_topk_prob=True, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -208,11 +208,16 @@ def test_update_weights_from_tensor_takes_expert_tensors(tmp_path):
     with pytest.raises(ModelLoadError, match=r"shape \(3, 3\)"):
         runner.update_weights_from_tensor([("model.layers.2.mlp.experts.7.down_proj.weight", torch.zeros(3, 3))])
     assert runner.update_weights_from_tensor(named) == len(named)
+    assert_greedy_tokens(runner, other)
+
+
+def assert_greedy_tokens(runner: ModelRunner, hf) -> None:
+    """One 20-token prompt, 10 greedy tokens: transformers' `generate`'s on `hf`."""
     sched = SyncScheduler(runner, runner.args)
     prompt = [(5 * j + 1) % 160 for j in range(20)]
     req = sched.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10))
     sched.run_until_idle()
-    assert req.output_ids == hf_greedy(other, prompt)
+    assert req.output_ids == hf_greedy(hf, prompt)
 
 
 def test_tp2_qwen3moe_greedy_tokens_equal_transformers(tmp_path):

@@ -26,9 +26,9 @@ from engine.layers.moe_q4 import PROJS, Q4Experts
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
-from tests.test_gguf_families import CONFIG, per_expert, write_qwen3moe_gguf
-from tests.test_model_families import assert_scheduler_matches_transformers, family_args, hf_greedy, save_random_model
-from tests.test_model_moe import INIT
+from tests.test_gguf_families import CONFIG, per_expert, tiny_qwen3moe, write_qwen3moe_gguf
+from tests.test_model_families import assert_scheduler_matches_transformers, family_args, save_random_model
+from tests.test_model_moe import INIT, assert_greedy_tokens
 
 pytestmark = pytest.mark.skipif(not Q4Experts.available(), reason="the fp32 4-bit CPU loops did not build here")
 
@@ -122,12 +122,7 @@ class _Counting:
 
 def q4_gguf(tmp_path, qtype: GGMLQuantizationType, seed: int = 0):
     """A tiny Qwen3-MoE GGUF with `qtype` experts, and transformers' model of its values."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(**SHAPE, norm_topk_prob=True, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    model = tiny_qwen3moe(seed, **SHAPE)
     path = tmp_path / f"moe-{qtype.name}.gguf"
     write_qwen3moe_gguf(path, model, qtype)
     src = resolve_model(str(path))
@@ -166,11 +161,7 @@ def test_a_weight_update_drops_the_q4_experts(tmp_path):
     named = list(per_expert(other).items())
     assert runner.update_weights_from_tensor(named) == len(named)
     assert all(m.q4 is None for m in runner.model.modules() if isinstance(m, FusedMoE))
-    sched = SyncScheduler(runner, runner.args)
-    prompt = [(5 * j + 1) % 160 for j in range(20)]
-    req = sched.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10))
-    sched.run_until_idle()
-    assert req.output_ids == hf_greedy(other, prompt)
+    assert_greedy_tokens(runner, other)
 
 
 def test_int4wo_quantizes_a_checkpoints_experts_into_the_same_form(tmp_path):
