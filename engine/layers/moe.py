@@ -4,8 +4,9 @@ a router picks `top_k` of `num_experts` gated MLPs per token and sums their outp
 `FusedMoE` (SGLang's name) holds every expert's weights stacked, in the model dtype: `w13`
 `[E, 2I, H]` (gate rows, then up rows: one GEMM per expert, as `LlamaMLP`'s fused gate|up) and
 `w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. An fp32 model loaded from a GGUF whose experts
-are Q4_0/Q4_1 also keeps them in those 4-bit blocks (moe_q4.py) for forwards of a few tokens;
-there is no oneDNN-prepacked form of the experts.
+are Q4_0/Q4_1 (or quantized by `--torchao-config int4wo-*`) also keeps them in those 4-bit blocks
+(moe_q4.py) for forwards of up to `Q4_MAX_GROUP` pairs an expert; there is no oneDNN-prepacked form
+of the experts.
 
 Routing follows transformers' op order exactly (fp32 greedy tokens are compared token for token):
 router logits in the model dtype -> softmax in fp32 -> top-k -> divided by their sum when

@@ -199,10 +199,10 @@ class LlamaForCausalLM(nn.Module):
         Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`); `quant`
         (`--torchao-config`) quantizes each decoder-layer projection part that came without, and
         the part then loads as its blocks dequantized (a MoE layer's experts too, with a 4-bit
-        config, where the layer can run them in 4 bits: moe_q4.py). Returns, by projection name, the quantized
-        form of each projection whose every part came with blocks of one kind (one dense part, or
-        a shape the kernel cannot take, leaves that projection dense only), and of the LM head
-        when its weight (or the embedding it is tied to) came as Q8_0.
+        config, where the layer can run them in 4 bits: moe_q4.py). Returns, by projection name,
+        the quantized form of each projection whose every part came with blocks of one kind (one
+        dense part, or a shape the kernel cannot take, leaves that projection dense only), and of
+        the LM head when its weight (or the embedding it is tied to) came as Q8_0.
         """
         params = dict(self.named_parameters())
         seen: set[tuple[str, int]] = set()
