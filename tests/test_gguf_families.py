@@ -26,10 +26,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, Phi3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Phi3Config, Qwen3MoeConfig
 
+from engine.layers.moe import FusedMoE
+from engine.layers.moe_q4 import Q4Experts
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
+from tests.test_loader import llama_cpp_permute
 from tests.test_model_families import (
     COMMON,
     FAMILIES,
@@ -261,3 +264,89 @@ def test_phi3_gguf_serves_as_its_checkpoint(name, tmp_path):
             assert torch.equal(got_weights[hf_name], tensor), hf_name
     runner = ModelRunner(family_args(str(path)))
     assert_scheduler_matches_transformers(runner, ref, name)
+
+
+# --- Mixtral (a "llama" GGUF with experts) ---------------------------------------------------
+
+MIXTRAL_SHAPE = dict(COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+
+
+def write_mixtral_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+    """`model` as llama.cpp's converter writes a Mixtral: architecture "llama" with
+    `expert_count`/`expert_used_count`, q/k rows permuted, the router `ffn_gate_inp`, the experts
+    stacked in `ffn_{gate,up,down}_exps`, stored as `expert_type`."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    for hf, name in GLOBAL.items():
+        w.add_tensor(name, sd[hf])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, name in LAYER.items():
+            if "_norm." in hf and "layernorm" not in hf:  # Mixtral has no q/k norms
+                continue
+            data = sd[p + hf]
+            proj = hf.split(".")[1]
+            if proj in heads:
+                data = np.ascontiguousarray(llama_cpp_permute(data, heads[proj]))
+            w.add_tensor(f"blk.{i}.{name}.weight", data)
+        inter = cfg.intermediate_size
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]
+        stacks = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": sd[p + "mlp.experts.down_proj"]}
+        for proj, data in stacks.items():
+            data = np.ascontiguousarray(data)
+            if expert_type != GGMLQuantizationType.F32:
+                data = gguf.quants.quantize(data, expert_type)
+            w.add_tensor(
+                f"blk.{i}.ffn_{proj}_exps.weight", data, raw_dtype=None if data.dtype == np.float32 else expert_type
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("expert_type", [GGMLQuantizationType.F32, GGMLQuantizationType.Q4_0])
+def test_a_mixtral_gguf_serves_as_its_checkpoint(expert_type, tmp_path):
+    """Loaded as MixtralForCausalLM (transformers reads it as a dense Llama); fp32 greedy tokens
+    and prompt log-probs equal transformers' Mixtral on the file's values (Q4_0 experts: the
+    checkpoint's experts replaced by gguf's own dequantization of their blocks)."""
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(**MIXTRAL_SHAPE), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_mixtral_gguf(path, model, expert_type)
+    if expert_type != GGMLQuantizationType.F32:
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                if ".mlp.experts." in name:  # what the file holds
+                    blocks = gguf.quants.quantize(t.numpy(), expert_type)
+                    t.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, expert_type)).view_as(t))
+    src = resolve_model(str(path))
+    assert src.architecture == "MixtralForCausalLM"
+    cfg = src.hf_config
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (4, 2, 64)
+    assert cfg.sliding_window is None
+    runner = ModelRunner(family_args(str(path)))
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moe) == cfg.num_hidden_layers
+    assert (
+        all((m.q4 is not None) == (expert_type != GGMLQuantizationType.F32) for m in moe) or not Q4Experts.available()
+    )
+    assert_scheduler_matches_transformers(runner, model, f"mixtral-gguf-{expert_type.name}")

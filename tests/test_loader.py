@@ -201,7 +201,7 @@ def gguf_name(hf_name: str) -> str:
     return f"{HF_TO_GGUF[module]}.{kind}"
 
 
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Llama q/k rows (rotate-half pairs -> interleaved pairs)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -235,9 +235,9 @@ def _write_gguf(path, model, arch: str, extra: dict[str, np.ndarray] | None = No
     for hf_name, tensor in _expected_state(model).items():
         data = tensor.numpy()
         if arch == "llama" and "q_proj" in hf_name:
-            data = _llama_cpp_permute(data, cfg.num_attention_heads)
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and "k_proj" in hf_name:
-            data = _llama_cpp_permute(data, cfg.num_key_value_heads)
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
         qtype = _qtype_for(hf_name, data)
         if qtype is None:
             w.add_tensor(gguf_name(hf_name), np.ascontiguousarray(data))

@@ -10,7 +10,7 @@ llama.cpp's loader does with the same file.
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from transformers import MixtralConfig, PretrainedConfig
 
 from engine.errors import ModelLoadError
 from engine.models.gguf_weights import GGUFIndex, read_gguf_tensor
@@ -123,3 +123,21 @@ def _complete_gemma(hf_config: PretrainedConfig, index: GGUFIndex) -> None:
         raise ModelLoadError(f"GGUF file {index.path}: Gemma 3 with {kind!r} RoPE scaling is not supported")
     local = {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}
     hf_config.rope_parameters = {"full_attention": full, "sliding_attention": local}
+
+
+def mixtral_of_llama(hf_config: PretrainedConfig, index: GGUFIndex) -> PretrainedConfig | None:
+    """A "llama" GGUF with experts is a Mixtral (llama.cpp's converter writes Mixtral so: the
+    router as `ffn_gate_inp`, the experts stacked in `ffn_{gate,up,down}_exps`); transformers
+    reads it as a dense Llama. Its MixtralConfig: transformers' Llama fields (each expert's width
+    is the file's `feed_forward_length`) plus `llama.expert_count` and `expert_used_count`; None
+    for a dense Llama. No sliding window: llama.cpp stores none for Mixtral."""
+    if index.architecture != "llama":
+        return None
+    experts = index.metadata.get("llama.expert_count")
+    if not (isinstance(experts, int) and experts > 0):
+        return None
+    used = index.metadata.get("llama.expert_used_count")
+    if not (isinstance(used, int) and 0 < used <= experts):
+        raise ModelLoadError(f"GGUF file {index.path}: llama.expert_used_count {used!r} is not 1..{experts}")
+    fields = {k: v for k, v in hf_config.to_dict().items() if k not in ("model_type", "architectures")}
+    return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)

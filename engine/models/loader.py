@@ -26,7 +26,7 @@ from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
 from engine.layers.q8 import Q8Blocks
 from engine.models.gguf_cache import load_gguf_config, load_gguf_tokenizer
-from engine.models.gguf_config import complete_gguf_config
+from engine.models.gguf_config import complete_gguf_config, mixtral_of_llama
 from engine.models.gguf_weights import (
     GGUFIndex,
     gguf_to_hf_name,
@@ -241,6 +241,7 @@ def _resolve_gguf(path: Path) -> ModelSource:
         hf_config = load_gguf_config(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read the config of GGUF file {path}: {e}") from e
+    hf_config = mixtral_of_llama(hf_config, index) or hf_config
     # transformers may reinterpret the file (a llama-architecture GGUF named "mistral" -> mistral).
     architecture = _architecture(None, hf_config.model_type, path)
     complete_gguf_config(hf_config, index)
