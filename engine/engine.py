@@ -171,6 +171,7 @@ class Engine(EngineOperations, LoRAOperations):
         if self._tp is not None:
             await asyncio.to_thread(self._tp.stop, healthy)
             self._tp = None
+            self._runner = None  # rank 0's side of the stopped group: the next start() loads a new one
         if self._loop_threads is not None:
             torch.set_num_threads(self._loop_threads)
             self._loop_threads = None

@@ -10,6 +10,7 @@ second call of any prompt crashed the scheduler at its idle memory check.
   invariant holds after each (every slot free or in the tree).
 - A run stopped while its requests are still decoding: the next start finds every slot and row
   free and serves normally.
+- Under tensor parallelism a stop ends the group; the next call starts a new one.
 """
 
 from __future__ import annotations
@@ -71,3 +72,13 @@ def test_a_stop_mid_run_frees_everything_for_the_next_start(engine):
     assert state["available_tokens"] == state["total_tokens"] and state["evictable_tokens"] == 0
     again = engine.generate_batch([PROMPT], GREEDY)[0]
     assert again.error is None and engine.death_reason is None and len(again.token_ids) == 8
+
+
+def test_a_tensor_parallel_engine_serves_a_second_call():
+    """Stopping ends the tensor-parallel group (its worker ranks exit): the next start loads a new
+    one instead of driving rank 0's runner on a destroyed group."""
+    engine = Engine("smollm2-135m", dtype="float32", device="cpu", tp_size=3, torch_threads=1, max_total_tokens=2048)
+    first = engine.generate_batch([PROMPT], GREEDY)[0]
+    second = engine.generate_batch([PROMPT], GREEDY)[0]
+    assert first.error is None and second.error is None and engine.death_reason is None
+    assert second.token_ids == first.token_ids and len(first.token_ids) == 8
