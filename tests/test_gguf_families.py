@@ -69,19 +69,30 @@ def tiny_qwen3moe(seed: int = 0, **overrides):
 
 
 def write_qwen3moe_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+    write_moe_gguf(path, model, "qwen3moe", expert_type)
+
+
+def write_moe_gguf(path, model, arch: str, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+    """`model` (Qwen3-MoE or Mixtral) as llama.cpp's converter writes it for `arch`: "qwen3moe"
+    (the expert width as its own key, head sizes, q/k norms) or "llama" (Mixtral: q/k rows
+    permuted, the expert width as the feed-forward length); the router `ffn_gate_inp`, the experts
+    stacked in `ffn_{gate,up,down}_exps`, stored as `expert_type`."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    mixtral = arch == "llama"
+    inter = cfg.intermediate_size if mixtral else cfg.moe_intermediate_size
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(cfg.num_local_experts if mixtral else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
+    if not mixtral:
+        w.add_expert_feed_forward_length(inter)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
@@ -90,21 +101,24 @@ def write_qwen3moe_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQua
     for hf, name in GLOBAL.items():
         w.add_tensor(name, sd[hf])
     w.add_tensor("output.weight", sd["lm_head.weight"])
-    inter = cfg.moe_intermediate_size
+    permuted = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if mixtral else {}
+    raw = None if expert_type == GGMLQuantizationType.F32 else expert_type
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for hf, name in LAYER.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", sd[p + hf])
+            if p + hf not in sd:  # Mixtral has no q/k norms
+                continue
+            data, proj = sd[p + hf], hf.split(".")[1]
+            if proj in permuted:
+                data = np.ascontiguousarray(llama_cpp_permute(data, permuted[proj]))
+            w.add_tensor(f"blk.{i}.{name}.weight", data)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]: gate rows, then up rows
         stacks = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": sd[p + "mlp.experts.down_proj"]}
         for proj, data in stacks.items():
             data = np.ascontiguousarray(data)
-            if expert_type == GGMLQuantizationType.F32:
-                w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", data)
-            else:
-                w.add_tensor(
-                    f"blk.{i}.ffn_{proj}_exps.weight", gguf.quants.quantize(data, expert_type), raw_dtype=expert_type
-                )
+            if raw is not None:
+                data = gguf.quants.quantize(data, raw)
+            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -271,55 +285,6 @@ def test_phi3_gguf_serves_as_its_checkpoint(name, tmp_path):
 MIXTRAL_SHAPE = dict(COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
 
 
-def write_mixtral_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
-    """`model` as llama.cpp's converter writes a Mixtral: architecture "llama" with
-    `expert_count`/`expert_used_count`, q/k rows permuted, the router `ffn_gate_inp`, the experts
-    stacked in `ffn_{gate,up,down}_exps`, stored as `expert_type`."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
-    sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    for hf, name in GLOBAL.items():
-        w.add_tensor(name, sd[hf])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for hf, name in LAYER.items():
-            if "_norm." in hf and "layernorm" not in hf:  # Mixtral has no q/k norms
-                continue
-            data = sd[p + hf]
-            proj = hf.split(".")[1]
-            if proj in heads:
-                data = np.ascontiguousarray(llama_cpp_permute(data, heads[proj]))
-            w.add_tensor(f"blk.{i}.{name}.weight", data)
-        inter = cfg.intermediate_size
-        gate_up = sd[p + "mlp.experts.gate_up_proj"]
-        stacks = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": sd[p + "mlp.experts.down_proj"]}
-        for proj, data in stacks.items():
-            data = np.ascontiguousarray(data)
-            if expert_type != GGMLQuantizationType.F32:
-                data = gguf.quants.quantize(data, expert_type)
-            w.add_tensor(
-                f"blk.{i}.ffn_{proj}_exps.weight", data, raw_dtype=None if data.dtype == np.float32 else expert_type
-            )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("expert_type", [GGMLQuantizationType.F32, GGMLQuantizationType.Q4_0])
 def test_a_mixtral_gguf_serves_as_its_checkpoint(expert_type, tmp_path):
     """Loaded as MixtralForCausalLM (transformers reads it as a dense Llama); fp32 greedy tokens
@@ -331,7 +296,7 @@ def test_a_mixtral_gguf_serves_as_its_checkpoint(expert_type, tmp_path):
         for p in model.parameters():
             p.normal_(0, 0.3)
     path = tmp_path / "tiny-mixtral.gguf"
-    write_mixtral_gguf(path, model, expert_type)
+    write_moe_gguf(path, model, "llama", expert_type)
     if expert_type != GGMLQuantizationType.F32:
         with torch.no_grad():
             for name, t in model.state_dict().items():

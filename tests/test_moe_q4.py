@@ -22,7 +22,7 @@ from engine import SyncScheduler
 from engine.distributed.parallel_state import TPGroup
 from engine.layers.int4 import Q4Blocks
 from engine.layers.moe import FusedMoE
-from engine.layers.moe_q4 import PROJS, Q4Experts
+from engine.layers.moe_q4 import EXPERT_PROJS, Q4Experts
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
@@ -50,7 +50,7 @@ def layer_with_blocks(experts: int, hidden: int, inter: int, q4_1: bool, start: 
     moe.gate.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
     for e in range(start, start + count):
         g = torch.Generator().manual_seed(100 + e)  # an expert's blocks whatever the rank holds
-        for proj in PROJS:
+        for proj in EXPERT_PROJS:
             target = moe.expert_weight(e, proj)
             blocks = random_blocks(*target.shape, g, q4_1)
             target.copy_(blocks.dequantize())
@@ -91,7 +91,7 @@ def test_a_missing_or_unpackable_block_leaves_the_layer_dense():
     moe = FusedMoE(64, 4, 2, 64, "silu", True, False, TPGroup.single(), torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(3)
     for e in range(4):
-        for proj in PROJS:
+        for proj in EXPERT_PROJS:
             target = moe.expert_weight(e, proj)
             blocks = None if (e, proj) == (2, "up_proj") else random_blocks(*target.shape, g, False)
             moe.keep_blocks(e, proj, blocks, target)
@@ -99,7 +99,7 @@ def test_a_missing_or_unpackable_block_leaves_the_layer_dense():
     assert moe.q4 is None
     narrow = FusedMoE(64, 2, 2, 32, "silu", True, False, TPGroup.single(), torch.device("cpu"), torch.float32)
     for e in range(2):  # down_proj's K (32) is not a multiple of 64: no kernel form
-        for proj in PROJS:
+        for proj in EXPERT_PROJS:
             target = narrow.expert_weight(e, proj)
             narrow.keep_blocks(e, proj, random_blocks(*target.shape, g, False), target)
     narrow.finish_loading(quantized=True)

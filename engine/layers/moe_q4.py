@@ -20,7 +20,7 @@ import torch
 from engine.kernels import cpu_quant
 from engine.layers.int4 import Q4Blocks, TiledQ4Weight
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # an expert's checkpoint projections
 
 
 class Q4Experts:
@@ -46,7 +46,7 @@ class Q4Experts:
             return
         parts = self._parts.setdefault(expert, {})
         parts[proj] = blocks
-        if len(parts) < len(PROJS):
+        if len(parts) < len(EXPERT_PROJS):
             return
         del self._parts[expert]
         w13 = Q4Blocks.cat([parts["gate_proj"], parts["up_proj"]]).pack(torch.float32)
@@ -67,10 +67,6 @@ class Q4Experts:
         self._parts.clear()
         self._packed.clear()
         return ready
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*(self.w13 or ()), *(self.w2 or ())))
 
     def run(self, kernel, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts of `weight * expert(x)` (ids relative to `start`)."""

@@ -38,6 +38,7 @@ from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import measure_int4_crossover
 from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, RowTiles, finalize_linear
 from engine.layers.moe import FusedMoE
+from engine.layers.moe_q4 import EXPERT_PROJS
 from engine.layers.norm import RMSNorm
 from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
@@ -71,7 +72,6 @@ _GLOBAL_PARAMS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.nor
 
 PARAM, PART, SKIP, UNKNOWN = "param", "part", "skip", "unknown"
 EXPERT = "expert"  # expert `part`'s projection `attr` of the FusedMoE at `path`
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # a MoE layer's expert tensor (Mixtral's names are renamed to these by `llama_layout`)
 _EXPERT_WEIGHT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
