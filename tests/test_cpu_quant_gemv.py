@@ -19,7 +19,7 @@ from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.int4 import Q4Blocks, TiledQ4Weight
 from engine.layers.linear import QuantLinear
 from engine.layers.q8 import Q8Blocks, Q8Weight
-from engine.models.gguf_weights import q8_blocks
+from engine.models.gguf_blocks import q8_blocks
 from tests.quant_blocks import random_q4, random_q8
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the CPU kernels cannot be built here")

@@ -24,7 +24,7 @@ from engine.layers import int4, linear
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
 from engine.layers.linear import DenseLinear, OneDNNLinear, QuantLinear, finalize_linear
 from engine.model_executor.model_runner import ModelRunner
-from engine.models.gguf_weights import q4_blocks
+from engine.models.gguf_blocks import q4_blocks
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
 from engine.scheduler.batch import ScheduleBatch

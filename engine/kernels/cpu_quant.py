@@ -2,7 +2,9 @@
 activations, csrc/cpu_quant_gemv_f32.cpp for fp32 ones).
 
 `y = x @ W.T` for an x of a few rows, W kept in a GGUF file's own blocks: 4-bit
-(Q4_0/Q4_1: code, fp16 scale and offset per 32 weights) or 8-bit (Q8_0: int8 code, fp16 scale).
+(Q4_0/Q4_1: code, fp16 scale and offset per 32 weights; Q4_K: the same codes, each scale and
+offset a 6-bit factor per 32 weights times an fp16 one per 256) or 8-bit (Q8_0: int8 code, fp16
+scale; Q6_K, fp32 only: its 6-bit codes as int8, an int8 factor per 16 weights times an fp16 per 256).
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
 memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bound (torch's
 int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
@@ -24,11 +26,24 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["BLOCK", "CHUNK", "TILE", "Q4Packed", "exact_in_fp16", "q4_gemv", "q4_pack", "q8_gemv", "vectorized"]
+__all__ = [
+    "BLOCK",
+    "CHUNK",
+    "SUPER",
+    "TILE",
+    "Q4Packed",
+    "exact_in_fp16",
+    "q4_gemv",
+    "q4_pack",
+    "q4k_pack",
+    "q8_gemv",
+    "vectorized",
+]
 
 BLOCK = 32  # weights per scale
 CHUNK = 64  # weights per 32 packed bytes: K must be a multiple of this
 TILE = 16  # 4-bit rows per tile (one per fp32 lane)
+SUPER = 256  # weights per fp16 factor of the K forms (llama.cpp's QK_K)
 
 
 def vectorized(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -50,7 +65,9 @@ def exact_in_fp16(t: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Q4Packed:
     """A 4-bit weight in the kernel's layout (csrc/cpu_quant_gemv.cpp): rows in tiles of TILE,
-    codes uint8 [T, K/32, 8, 32], fp16 scales and offsets [T, K/32, TILE]."""
+    codes uint8 [T, K/32, 8, 32], fp16 scales and offsets [T, K/32, TILE]; or in the K form
+    (`q4k_pack`, fp32 inputs only): `scales` uint8 [T, K/32, 2, TILE] (each block's sc and m),
+    `offsets` fp16 [T, K/256, 2, TILE] (each 256 weights' d and dmin)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -62,27 +79,56 @@ class Q4Packed:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
 
+    @property
+    def k_form(self) -> bool:
+        return self.scales.dtype == torch.uint8
+
+
+def _tile_codes(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K] -> the tiles' bytes [T, K/32, 8, 32] (rows past N zero)."""
+    n, k = q.shape
+    if k % CHUNK:
+        raise ValueError(f"4-bit rows must be a multiple of {CHUNK} wide, got {k}")
+    tiles, nb = -(-n // TILE), k // BLOCK
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, tiles * TILE - n))
+    # [T, 16 rows, nb, 2 halves of the pairs, 8 pairs, 2] -> [T, nb, 8 pairs, 2 halves, 16 rows, 2]
+    q = q.view(tiles, TILE, nb, 2, 8, 2).permute(0, 2, 4, 3, 1, 5)
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(tiles, nb, 8, 2 * TILE).contiguous()
+
+
+def _per_tile(t: torch.Tensor) -> torch.Tensor:
+    """A per-row array [N, G] -> [T, G, TILE] (each tile's rows side by side, zero padding)."""
+    n, g = t.shape
+    tiles = -(-n // TILE)
+    return torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE - n)).view(tiles, TILE, g).transpose(1, 2).contiguous()
+
+
+def _exact_half(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not exact_in_fp16(t):
+        raise ValueError(f"{what} must be exact in fp16")
+    return t.to(torch.float16)
+
 
 def q4_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed:
     """W[n, k] = scale[n, k/32] * q[n, k] + offset[n, k/32] (q: codes 0..15 [N, K]; scale and
     offset exactly representable in fp16, as a GGUF file's are) -> the kernel's layout."""
     n, k = q.shape
-    if k % CHUNK:
-        raise ValueError(f"4-bit rows must be a multiple of {CHUNK} wide, got {k}")
-    tiles, nb = -(-n // TILE), k // BLOCK
-    pad = tiles * TILE - n
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    # [T, 16 rows, nb, 2 halves of the pairs, 8 pairs, 2] -> [T, nb, 8 pairs, 2 halves, 16 rows, 2]
-    q = q.view(tiles, TILE, nb, 2, 8, 2).permute(0, 2, 4, 3, 1, 5)
-    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(tiles, nb, 8, 2 * TILE).contiguous()
+    codes = _tile_codes(q)
+    scales, offsets = (_per_tile(_exact_half(t, "4-bit scales and offsets")) for t in (scale, offset))
+    return Q4Packed(codes, scales, offsets, n, k)
 
-    def per_tile(t: torch.Tensor) -> torch.Tensor:
-        if not exact_in_fp16(t):
-            raise ValueError("4-bit scales and offsets must be exact in fp16")
-        half = torch.nn.functional.pad(t.to(torch.float16), (0, 0, 0, pad))
-        return half.view(tiles, TILE, nb).transpose(1, 2).contiguous()
 
-    return Q4Packed(codes, per_tile(scale), per_tile(offset), n, k)
+def q4k_pack(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> Q4Packed:
+    """W[n, k] = d[n, k/256] * sc[n, k/32] * q[n, k] - dmin[n, k/256] * m[n, k/32] (GGUF Q4_K: q
+    codes 0..15 [N, K], sc and m 0..63 [N, K/32], d and dmin fp16 values [N, K/256]) -> the
+    kernel's K form (fp32 inputs only)."""
+    n, k = q.shape
+    if k % SUPER:
+        raise ValueError(f"K-form rows must be a multiple of {SUPER} wide, got {k}")
+    codes = _tile_codes(q)
+    small = torch.stack([_per_tile(t.to(torch.uint8)) for t in (sc, m)], dim=2).contiguous()
+    big = torch.stack([_per_tile(_exact_half(t, "Q4_K's d and dmin")) for t in (d, dmin)], dim=2).contiguous()
+    return Q4Packed(codes, small, big, n, k)
 
 
 def q4_gemv(x: torch.Tensor, w: Q4Packed, vector: bool = True) -> torch.Tensor:
@@ -93,9 +139,15 @@ def q4_gemv(x: torch.Tensor, w: Q4Packed, vector: bool = True) -> torch.Tensor:
     return fn(x, w.codes, w.scales, w.offsets, w.out_features, vector)
 
 
-def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, vector: bool = True) -> torch.Tensor:
+def q8_gemv(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor | None = None, vector: bool = True
+) -> torch.Tensor:
     """bf16 or fp32 `[M, K] @ W.T` -> `[M, N]` of x's dtype, W[n, k] = scales[n, k/32] * codes[n, k]
-    (Q8_0). `vector=False` runs the plain loops (the tests' reference)."""
+    (Q8_0: fp16 scales); with `supers` (Q6_K, fp32 x only), W[n, k] = supers[n, k/256] *
+    scales[n, k/16] * codes[n, k] (int8 scales, fp32 supers). `vector=False` runs the plain loops
+    (the tests' reference)."""
     module = module_or_raise()
+    if supers is not None:
+        return module.q6_gemv_f32(x, codes, scales, supers, vector)
     fn = module.q8_gemv_f32 if x.dtype == torch.float32 else module.q8_gemv
     return fn(x, codes, scales, vector)

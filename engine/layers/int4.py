@@ -6,7 +6,8 @@ what a bf16 GEMV reads, so it wins for a few rows, while a dense bf16 matmul win
 count; this module only knows the weights.
 
 Two kernels, in order of preference (`Q4Blocks.pack`):
-- ours (`TiledQ4Weight`, engine/kernels/cpu_quant.py): the blocks' own fp16 scales and offsets,
+- ours (`TiledQ4Weight`, engine/kernels/cpu_quant.py): the blocks' own fp16 scales and offsets
+  (for fp32 activations, Q4_K's two-level factors too: kquant.py),
   bandwidth-bound on one core (~35 GB/s cold on the development machine, against ~16 for
   torch's); K a multiple of 64. bf16 activations need the extension built with AVX512-BF16;
   fp32 ones (the exact dequantized values, an fp32 model's decode) AVX2 + FMA + F16C.
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import cpu_quant
+from engine.layers.kquant import SuperScales
 
 GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs N in blocks of 16 rows
@@ -61,14 +63,16 @@ def int4_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 class Q4Blocks:
     """An unpacked 4-bit groupwise weight: W[n, k] = scale[n, g] * q[n, k] + offset[n, g], g = k // group_size.
 
-    GGUF Q4_1 is exactly this (d, m); Q4_0 is d * (q - 8), i.e. offset = -8 * d. Rows are whole,
-    so row permutations and concatenations apply to q, scale and offset alike.
+    GGUF Q4_1 is exactly this (d, m); Q4_0 is d * (q - 8), i.e. offset = -8 * d; Q4_K (groups of
+    32) scale = d * sc, offset = -(dmin * m), its factors kept in `k`. Rows are whole, so row
+    permutations and concatenations apply to every array alike.
     """
 
     q: torch.Tensor  # uint8 [N, K], codes 0..15
     scale: torch.Tensor  # float32 [N, K // group_size]
     offset: torch.Tensor  # float32 [N, K // group_size]
     group_size: int
+    k: SuperScales | None = None  # Q4_K's factors of scale and offset
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (for GGUF blocks: exactly gguf's own dequantization)."""
@@ -78,7 +82,8 @@ class Q4Blocks:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q4Blocks:
         """The same weight with `fn` (a row permutation over dim 0) applied to every per-row array."""
-        return Q4Blocks(fn(self.q), fn(self.scale), fn(self.offset), self.group_size)
+        k = None if self.k is None else self.k.map_rows(fn)
+        return Q4Blocks(fn(self.q), fn(self.scale), fn(self.offset), self.group_size, k)
 
     @staticmethod
     def cat(parts: list[Q4Blocks]) -> Q4Blocks:
@@ -87,12 +92,17 @@ class Q4Blocks:
         if any(p.group_size != group or p.q.shape[1] != k for p in parts):
             raise ValueError("cannot fuse 4-bit weights with different group sizes or input dims")
         q = torch.cat([p.q for p in parts])
-        return Q4Blocks(q, torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]), group)
+        k = SuperScales.cat([p.k for p in parts])
+        return Q4Blocks(q, torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]), group, k)
 
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> TiledQ4Weight | PackedInt4Weight | None:
         """The fastest kernel form this weight can take here for a model computing in `dtype`
         (see the module docstring), or None when no kernel can take it (the weight stays dense)."""
         k = self.q.shape[1]
+        if self.k is not None and dtype == torch.float32 and cpu_quant.vectorized(dtype) and k % cpu_quant.SUPER == 0:
+            # the K form: fewer scale bytes than the fp16 one, and exact where fp16 is not
+            f = self.k
+            return TiledQ4Weight(cpu_quant.q4k_pack(self.q, f.sc, f.m, f.d, f.dmin))
         if cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:
             per_block = self.group_size // cpu_quant.BLOCK  # our kernel scales every 32 weights
             scale, offset = (t.repeat_interleave(per_block, dim=1) for t in (self.scale, self.offset))

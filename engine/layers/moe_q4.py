@@ -51,7 +51,9 @@ class Q4Experts:
         del self._parts[expert]
         w13 = Q4Blocks.cat([parts["gate_proj"], parts["up_proj"]]).pack(torch.float32)
         w2 = parts["down_proj"].pack(torch.float32)
-        if not (isinstance(w13, TiledQ4Weight) and isinstance(w2, TiledQ4Weight)):
+        # the experts' kernel reads fp16 scales only (Q4_K experts stay dense)
+        fp16_tiles = isinstance(w13, TiledQ4Weight) and isinstance(w2, TiledQ4Weight)
+        if not fp16_tiles or w13.tiles.k_form or w2.tiles.k_form:
             self.complete = False
             return
         self._packed[expert] = (w13.tiles, w2.tiles)

@@ -1,4 +1,4 @@
-"""GGUF 8-bit (Q8_0) weights and their form for our small-batch CPU kernel.
+"""GGUF 8-bit (Q8_0) and 6-bit (Q6_K) weights and their forms for our small-batch CPU kernel.
 
 The LM head of a small model is the largest single read of a decode step (SmolLM2-135M: 49152 x
 576, 56.6 MB in bf16, 43% of a bs-1 step's bytes). GGUF files usually store it, tied to the
@@ -8,49 +8,80 @@ half the bytes, computed from the file's exact values (the bf16 table rounds eac
 significant bits; this form does not). In an fp32 model the dense head holds 4 bytes a weight,
 so the blocks are a quarter of its read. `linear.QuantLinear` uses it for up to a measured number
 of rows and the dense form (oneDNN's in bf16) beyond.
+
+Q6_K (the LM head of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, and some of their layers' v and
+down projections) runs in the same loops: its 6-bit codes widened to int8 (q - 32), scaled per 16
+weights by an int8 factor times an fp16 one per 256 (kquant.py), 8.6 bits a weight instead of the
+dense fp32 head's 32. fp32 models only (the bf16 loops read Q8_0's scales alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels import cpu_quant
+from engine.layers.kquant import SuperScales
+
+Q6_GROUP = 16  # weights per Q6_K scale
 
 
 @dataclass
 class Q8Blocks:
-    """W[n, k] = scale[n, k // 32] * q[n, k]: GGUF Q8_0, unpacked."""
+    """W[n, k] = scale[n, k // group_size] * q[n, k]: GGUF Q8_0 (groups of 32), or Q6_K (groups of
+    16, codes q - 32, scale = d * sc with the factors in `k`), unpacked."""
 
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // 32]
+    scale: torch.Tensor  # float32 [N, K // group_size]
+    group_size: int = cpu_quant.BLOCK
+    k: SuperScales | None = None  # Q6_K's factors of scale
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (exactly gguf's own dequantization)."""
         n, k = self.q.shape
-        return (self.q.float().view(n, k // cpu_quant.BLOCK, cpu_quant.BLOCK) * self.scale.unsqueeze(-1)).view(n, k)
+        g = self.group_size
+        return (self.q.float().view(n, k // g, g) * self.scale.unsqueeze(-1)).view(n, k)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q8Blocks:
+        """The same weight with `fn` (a row permutation over dim 0) applied to every per-row array."""
+        k = None if self.k is None else self.k.map_rows(fn)
+        return Q8Blocks(fn(self.q), fn(self.scale), self.group_size, k)
 
     @staticmethod
     def cat(parts: list[Q8Blocks]) -> Q8Blocks:
         """Rows concatenated, as the fused q|k|v and gate|up weights are."""
-        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+        group = parts[0].group_size
+        if any(p.group_size != group for p in parts):
+            raise ValueError("cannot fuse 8-bit weights with different group sizes")
+        k = SuperScales.cat([p.k for p in parts])
+        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), group, k)
 
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> Q8Weight | None:
         """Our kernel's form for a model computing in `dtype`, or None where it does not apply (no
-        vectorized build for that dtype, K not a multiple of 64, scales not fp16)."""
+        vectorized build for that dtype, K not a multiple of 64 (Q6_K: 256), scales not fp16,
+        Q6_K with bf16 activations)."""
         k = self.q.shape[1]
-        if not (cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0 and cpu_quant.exact_in_fp16(self.scale)):
+        if not (cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0):
+            return None
+        if self.k is not None:
+            if dtype != torch.float32 or k % cpu_quant.SUPER:
+                return None
+            return Q8Weight(self.q.contiguous(), self.k.sc.to(torch.int8).contiguous(), self.k.d.float().contiguous())
+        if self.group_size != cpu_quant.BLOCK or not cpu_quant.exact_in_fp16(self.scale):
             return None
         return Q8Weight(self.q.contiguous(), self.scale.to(torch.float16).contiguous())
 
 
 @dataclass
 class Q8Weight:
-    """Q8_0 blocks as our kernel reads them: int8 codes [N, K], fp16 scales [N, K // 32]."""
+    """Q8_0 blocks as our kernel reads them: int8 codes [N, K], fp16 scales [N, K // 32]; or Q6_K's:
+    int8 scales [N, K // 16] and `supers`, d [N, K // 256] (fp16 values, held in fp32)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    supers: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -62,10 +93,10 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        return self.codes.nbytes + self.scales.nbytes + (0 if self.supers is None else self.supers.nbytes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a bf16 or fp32 x of shape [..., K]."""
         rows = x.numel() // self.in_features
-        out = cpu_quant.q8_gemv(x.reshape(rows, self.in_features).contiguous(), self.codes, self.scales)
+        out = cpu_quant.q8_gemv(x.reshape(rows, self.in_features).contiguous(), self.codes, self.scales, self.supers)
         return out.view(*x.shape[:-1], self.out_features)

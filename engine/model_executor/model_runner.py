@@ -246,7 +246,10 @@ class ModelRunner(RunnerWeights):
             head.max_rows = max(head.max_rows, self.args.resolved_max_verify_tokens())
         if q4:
             layers = sum(name != "lm_head" for name in q4)
-            head_form = "Q8_0" if "lm_head" in q4 else "dense"
+            head_blocks = q4.get("lm_head")
+            head_form = "dense" if head_blocks is None else "Q8_0"
+            if getattr(head_blocks, "supers", None) is not None:
+                head_form = "Q6_K"
             packed = f"{layers} of {4 * cfg.num_layers} layer weights packed, LM head {head_form}"
             if invariant_blocks:
                 log.info("quantized kernels for decode-like forwards of any size (deterministic): %s", packed)

@@ -27,6 +27,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
 from engine.layers.q8 import Q8Blocks
+from engine.models.gguf_blocks import Q4_TYPES, blocks_of, q4_blocks
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 stored counts in 32 bits and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -291,55 +292,6 @@ def _dequantize(blocks: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-# 4-bit types whose blocks map onto torch's int4 kernel: 32 weights per block, fp16 scale d, for
-# Q4_1 an fp16 min m (w = d*q + m), for Q4_0 none (w = d*(q - 8)); then 16 bytes of codes, byte j
-# holding weight j in its low nibble and weight j + 16 in its high nibble.
-Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-
-
-def q4_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Q4Blocks:
-    """A Q4_0/Q4_1 matrix's bytes (as `_read_bytes` shapes them) as codes, scales and offsets."""
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if qtype not in Q4_TYPES or len(shape) != 2:
-        raise ValueError(f"not a 2-D Q4_0/Q4_1 tensor: {qtype.name} {shape}")
-    n, k = shape
-    b = blocks.reshape(n, k // block_size, type_size)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == GGMLQuantizationType.Q4_1:
-        m, codes = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), b[..., 4:]
-    else:
-        m, codes = d * np.float32(-8), b[..., 2:]  # exact: d is an fp16, times a power of two
-    q = np.concatenate([codes & np.uint8(0x0F), codes >> np.uint8(4)], axis=-1).reshape(n, k)
-    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), block_size)
-
-
-def q8_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
-    """A Q8_0 matrix's bytes (as `_read_bytes` shapes them): per 32 weights an fp16 scale d, then
-    32 int8 codes (w = d * q)."""
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
-    n, k = shape
-    b = blocks.reshape(n, k // block_size, type_size)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
-    return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
-
-
-# weights whose Q8_0 blocks the LM head can read (the embedding when the head is tied to it)
-_Q8_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def _blocks_of(blocks: np.ndarray, info: GGUFTensorInfo, hf_name: str) -> Q4Blocks | Q8Blocks | None:
-    """The quantized blocks a kernel can read for this tensor, if any: 4-bit decoder-layer
-    matrices, and a Q8_0 embedding or LM head."""
-    if len(info.shape) != 2:
-        return None
-    if info.qtype in Q4_TYPES and hf_name.startswith("model.layers."):
-        return q4_blocks(blocks, info.qtype, info.shape)
-    if info.qtype == GGMLQuantizationType.Q8_0 and hf_name in _Q8_HEAD_NAMES:
-        return q8_blocks(blocks, info.shape)
-    return None
-
-
 def read_gguf_tensor(index: GGUFIndex, name: str) -> torch.Tensor | None:
     """One tensor by its GGUF name, dequantized to float32 (None when the file has none)."""
     info = next((t for t in index.tensors if t.name == name), None)
@@ -368,9 +320,9 @@ def iter_gguf_weights(index: GGUFIndex, num_heads: int, num_kv_heads: int) -> It
 def iter_gguf_tensors(
     index: GGUFIndex, num_heads: int, num_kv_heads: int, *, with_q4: bool
 ) -> Iterator[tuple[str, torch.Tensor, Q4Blocks | Q8Blocks | None]]:
-    """As `iter_gguf_weights`, plus, when `with_q4`, the blocks a quantized kernel reads: 4-bit
-    blocks of each Q4_0/Q4_1 decoder-layer weight matrix (same rows as the dense tensor, un-permuted
-    alike) and the Q8_0 blocks of the embedding or LM head; None for every other tensor.
+    """As `iter_gguf_weights`, plus, when `with_q4`, the blocks a quantized kernel reads
+    (gguf_blocks.blocks_of: same rows as the dense tensor, un-permuted alike); None for every
+    other tensor.
     """
     unpermute = index.architecture in _PERMUTED_ARCHS
     norm_plus_one = index.architecture in _NORM_PLUS_ONE_ARCHS
@@ -387,7 +339,8 @@ def iter_gguf_tensors(
                     continue
                 blocks = _read_bytes(f, info)
                 tensor = _dequantize(blocks, info)
-                q4 = _blocks_of(blocks, info, hf_name) if with_q4 and index.architecture in _Q4_ARCHS else None
+                kept = with_q4 and index.architecture in _Q4_ARCHS
+                q4 = blocks_of(blocks, info.qtype, info.shape, hf_name) if kept else None
                 heads = None
                 if unpermute and ".self_attn.q_proj." in hf_name:
                     heads = num_heads
@@ -397,7 +350,7 @@ def iter_gguf_tensors(
                     tensor = tensor - 1
                 if heads is not None:
                     tensor = _unpermute_rotary(tensor, heads)
-                    if isinstance(q4, Q4Blocks):
+                    if q4 is not None:
                         q4 = q4.map_rows(lambda t, heads=heads: _unpermute_rotary(t, heads))
             except _Truncated as e:
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None

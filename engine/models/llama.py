@@ -305,7 +305,11 @@ class LlamaForCausalLM(nn.Module):
             ordered = [have[s] for s in sorted(have)]
             first = ordered[0]
             if first is not None and all(type(b) is type(first) for b in ordered):  # one kind, none missing
-                form = type(first).cat(ordered).pack(self.embed_tokens.weight.dtype)
+                try:
+                    fused = type(first).cat(ordered)
+                except ValueError:  # blocks of different group sizes (Q8_0 beside Q6_K): dense only
+                    return
+                form = fused.pack(self.embed_tokens.weight.dtype)
                 if form is not None:
                     packed[path] = form
 

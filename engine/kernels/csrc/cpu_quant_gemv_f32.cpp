@@ -17,9 +17,18 @@
 // which is sum_j (d c_j + m) x_j. The scalar loop (`vectorized` false) computes exactly this in the
 // same order, so the two agree to the bit (tests/test_cpu_quant_f32.py).
 //
+// 4-bit, K form (llama.cpp's Q4_K): the same codes, but each block's scale and offset are two
+// factors, a 6-bit integer per block (sc, m) and an fp16 per 256 weights (d, dmin): scale = d * sc,
+// offset = -(dmin * m), both exact in fp32, so the sums above run unchanged on the file's exact
+// values while the scales cost 2 bytes per row and block instead of 4.
+//
 // 8-bit: each output row's codes meet x in vectors of the machine's width, one partial sum per
 // lane over the block (a product, then fused multiply-adds), scaled into the lane's accumulator by
 // the block's d; the lanes are summed in order at the end. The scalar loop keeps the same lanes.
+//
+// Q6_K, in the 8-bit loops: codes q - 32 as int8, a scale per 16 weights that is an int8 sc times
+// a d per 256 (the file's fp16, held in fp32; the product is exact), so each 16-weight block is
+// scaled as a Q8_0 block is.
 //
 // Every result is a function of its own row of x (no count of rows, position or thread count
 // changes it), and every multiply-add is written out (native::fmadd, std::fma): the compiler's
@@ -88,6 +97,56 @@ inline native::vu load_pairs(const uint8_t* p) {
 
 inline vf as_float(native::vu codes) { return __builtin_convertvector((native::vi)codes, vf); }
 
+// kW bytes, each exactly converted to an fp32 lane
+inline vf load_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// A 4-bit weight's per-block scales and offsets, for tile t, block b and the tile's rows r*kW ..
+// (vector) or row i (scalar), in q4_pack's layout:
+// fp16 scale and offset per row and block, [T, K/32, 16] each
+struct HalfScales {
+  const fp16* s;
+  const fp16* o;
+  int64_t nb;
+  vf scale(int64_t t, int64_t b, int r) const { return load_half(s + (t * nb + b) * kTile + r * kW); }
+  vf offset(int64_t t, int64_t b, int r) const { return load_half(o + (t * nb + b) * kTile + r * kW); }
+  float scale1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(s[(t * nb + b) * kTile + i]); }
+  float offset1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(o[(t * nb + b) * kTile + i]); }
+};
+
+// q4k_pack's: sc and m uint8 [T, K/32, 2, 16], d and dmin fp16 [T, K/256, 2, 16]
+struct KScales {
+  static constexpr int64_t kPerSuper = 8;  // 32-weight blocks per d
+  const uint8_t* sm;
+  const fp16* dd;
+  int64_t nb;
+  int64_t small(int64_t t, int64_t b, int which) const { return ((t * nb + b) * 2 + which) * kTile; }
+  int64_t super(int64_t t, int64_t b, int which) const {
+    return ((t * (nb / kPerSuper) + b / kPerSuper) * 2 + which) * kTile;
+  }
+  vf scale(int64_t t, int64_t b, int r) const {
+    return load_half(dd + super(t, b, 0) + r * kW) * load_u8(sm + small(t, b, 0) + r * kW);
+  }
+  vf offset(int64_t t, int64_t b, int r) const {
+    return -(load_half(dd + super(t, b, 1) + r * kW) * load_u8(sm + small(t, b, 1) + r * kW));
+  }
+  float scale1(int64_t t, int64_t b, int64_t i) const {
+    return static_cast<float>(dd[super(t, b, 0) + i]) * static_cast<float>(sm[small(t, b, 0) + i]);
+  }
+  float offset1(int64_t t, int64_t b, int64_t i) const {
+    return -(static_cast<float>(dd[super(t, b, 1) + i]) * static_cast<float>(sm[small(t, b, 1) + i]));
+  }
+};
+
 // sum of x over each 32-wide block, in order: sx[m * nb + b]
 void block_sums(const float* x, int64_t m_rows, int64_t k, float* sx) {
   const int64_t nb = k / kBlock;
@@ -101,8 +160,9 @@ void block_sums(const float* x, int64_t m_rows, int64_t k, float* sx) {
 
 // ---- 4-bit ----------------------------------------------------------------------------------
 
-void q4_tile_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
-                    const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+template <class S>
+void q4_tile_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                    float* y, int64_t n_out, int64_t t) {
   const int64_t nb = k / kBlock;
   for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
     for (int64_t m = 0; m < m_rows; ++m) {
@@ -118,9 +178,8 @@ void q4_tile_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, 
           hi = std::fma(static_cast<float>(even >> 4), xb[2 * j + 16], hi);
           hi = std::fma(static_cast<float>(odd >> 4), xb[2 * j + 17], hi);
         }
-        const int64_t at = (t * nb + b) * kTile + i;
-        acc = std::fma(lo + hi, static_cast<float>(scales[at]), acc);
-        acc = std::fma(static_cast<float>(offsets[at]), sx[m * nb + b], acc);
+        acc = std::fma(lo + hi, sc.scale1(t, b, i), acc);
+        acc = std::fma(sc.offset1(t, b, i), sx[m * nb + b], acc);
       }
       y[m * n_out + t * kTile + i] = acc;
     }
@@ -129,9 +188,9 @@ void q4_tile_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, 
 // One tile against M rows of x, U blocks in flight (more independent chains for few rows). (Two
 // passes of 8 rows each over a tile's codes, to keep every block sum in AVX2's registers, ran
 // slower: they broadcast each x twice.)
-template <int M, int U>
-void q4_tile(const float* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
-             const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+template <int M, int U, class S>
+void q4_tile(const float* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, float* y, int64_t n_out,
+             int64_t t) {
   const int64_t nb = k / kBlock;
   vf acc[M][kHalves];
   for (int m = 0; m < M; ++m)
@@ -160,8 +219,7 @@ void q4_tile(const float* x, const float* sx, int64_t k, const uint8_t* codes, c
       }
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < kHalves; ++r) {
-        const int64_t at = (t * nb + b + u) * kTile + r * kW;
-        const vf d = load_half(scales + at), o = load_half(offsets + at);
+        const vf d = sc.scale(t, b + u, r), o = sc.offset(t, b + u, r);
         for (int m = 0; m < M; ++m) {
           acc[m][r] = native::fmadd(lo[u][m][r] + hi[u][m][r], d, acc[m][r]);
           acc[m][r] = native::fmadd(o, native::broadcast(sx[m * nb + b + u]), acc[m][r]);
@@ -178,19 +236,32 @@ void q4_tile(const float* x, const float* sx, int64_t k, const uint8_t* codes, c
     }
 }
 
-void q4_group(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
-              const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
+template <class S>
+void q4_group(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, float* y,
+              int64_t n_out, int64_t t) {
   switch (m_rows) {
-    case 1: return q4_tile<1, 2>(x, sx, k, codes, scales, offsets, y, n_out, t);
-    case 2: return q4_tile<2, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
-    case 3: return q4_tile<3, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
-    default: return q4_tile<kGroup, 1>(x, sx, k, codes, scales, offsets, y, n_out, t);
+    case 1: return q4_tile<1, 2>(x, sx, k, codes, sc, y, n_out, t);
+    case 2: return q4_tile<2, 1>(x, sx, k, codes, sc, y, n_out, t);
+    case 3: return q4_tile<3, 1>(x, sx, k, codes, sc, y, n_out, t);
+    default: return q4_tile<kGroup, 1>(x, sx, k, codes, sc, y, n_out, t);
+  }
+}
+
+// y rows of m_rows rows of x (and their block sums) against tile t, in groups of kGroup rows
+template <class S>
+void q4_tile_all_rows(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                      float* y, int64_t n_out, int64_t t, bool vectorized) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m0 = 0; m0 < m_rows; m0 += kGroup) {
+    const int64_t rows = std::min<int64_t>(kGroup, m_rows - m0);
+    if (vectorized && kVectorized)
+      q4_group(x + m0 * k, sx + m0 * nb, rows, k, codes, sc, y + m0 * n_out, n_out, t);
+    else
+      q4_tile_scalar(x + m0 * k, sx + m0 * nb, rows, k, codes, sc, y + m0 * n_out, n_out, t);
   }
 }
 
 // ---- 8-bit ----------------------------------------------------------------------------------
-
-constexpr int64_t kLanesPerBlock = kBlock / kW;
 
 inline vf load_codes(const int8_t* p) {
 #if defined(__AVX512F__)
@@ -204,18 +275,50 @@ inline vf load_codes(const int8_t* p) {
 #endif
 }
 
-void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, float* y,
+// An 8-bit weight's scale for output row n and block b (of kBlk weights): Q8_0's fp16 per 32 weights
+// [N, K/32], or Q6_K's int8 per 16 [N, K/16] times its fp16 per 256 [N, K/256].
+struct Q8Scales {
+  static constexpr int64_t kBlk = 32;
+  static constexpr int64_t kRun = 1;  // blocks whose scales `fill` writes at once
+  const fp16* s;
+  int64_t nb;
+  float at(int64_t n, int64_t b) const { return static_cast<float>(s[n * nb + b]); }
+  void fill(int64_t n, int64_t b0, float* out) const { out[0] = at(n, b0); }
+};
+
+// d is kept in fp32 (its exact fp16 value) and a super-block's 16 scales are made by two vector
+// products into a buffer the block loop broadcasts from: a scalar conversion and product per 16
+// weights and row took ~45% of the loop's time.
+struct Q6Scales {
+  static constexpr int64_t kBlk = 16;
+  static constexpr int64_t kRun = 16;  // blocks per d
+  const int8_t* sc;
+  const float* d;
+  int64_t nb;
+  float at(int64_t n, int64_t b) const { return d[n * (nb / kRun) + b / kRun] * static_cast<float>(sc[n * nb + b]); }
+  void fill(int64_t n, int64_t b0, float* out) const {
+    const vf dv = native::broadcast(d[n * (nb / kRun) + b0 / kRun]);
+    for (int64_t v = 0; v < kRun; v += kW) {
+      const vf prod = dv * load_codes(sc + n * nb + b0 + v);  // exact: an fp16 value times an int8
+      std::memcpy(out + v, &prod, sizeof(vf));
+    }
+  }
+};
+
+template <class S>
+void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc, float* y,
                    int64_t n_total, int64_t n) {
-  const int64_t nb = k / kBlock;
+  constexpr int64_t kBlk = S::kBlk, kLanes = kBlk / kW;
+  const int64_t nb = k / kBlk;
   for (int64_t m = 0; m < m_rows; ++m) {
     float acc[kW] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* c = codes + n * k + b * kBlock;
-      const float* xb = x + m * k + b * kBlock;
-      const float d = static_cast<float>(scales[n * nb + b]);
+      const int8_t* c = codes + n * k + b * kBlk;
+      const float* xb = x + m * k + b * kBlk;
+      const float d = sc.at(n, b);
       for (int64_t l = 0; l < kW; ++l) {
         float s = static_cast<float>(c[l]) * xb[l];
-        for (int64_t v = 1; v < kLanesPerBlock; ++v) s = std::fma(static_cast<float>(c[v * kW + l]), xb[v * kW + l], s);
+        for (int64_t v = 1; v < kLanes; ++v) s = std::fma(static_cast<float>(c[v * kW + l]), xb[v * kW + l], s);
         acc[l] = std::fma(s, d, acc[l]);
       }
     }
@@ -225,27 +328,31 @@ void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* code
   }
 }
 
-template <int M, int R>
-void q8_tile(const float* x, int64_t k, const int8_t* codes, const fp16* scales, float* y, int64_t n_total,
-             int64_t n) {
-  const int64_t nb = k / kBlock;
+template <int M, int R, class S>
+void q8_tile(const float* x, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total, int64_t n) {
+  constexpr int64_t kBlk = S::kBlk, kLanes = kBlk / kW;
+  const int64_t nb = k / kBlk;
   vf acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = native::broadcast(0.0f);
+  float scales[R][S::kRun];
   for (int64_t b = 0; b < nb; ++b) {
-    vf w[R][kLanesPerBlock], d[R];
+    const int64_t run = b % S::kRun;
+    if (run == 0)
+      for (int r = 0; r < R; ++r) sc.fill(n + r, b, scales[r]);
+    vf w[R][kLanes], d[R];
     for (int r = 0; r < R; ++r) {
-      const int8_t* p = codes + (n + r) * k + b * kBlock;
+      const int8_t* p = codes + (n + r) * k + b * kBlk;
       __builtin_prefetch(p + kPrefetchBytes);
-      for (int v = 0; v < kLanesPerBlock; ++v) w[r][v] = load_codes(p + v * kW);
-      d[r] = native::broadcast(static_cast<float>(scales[(n + r) * nb + b]));
+      for (int v = 0; v < kLanes; ++v) w[r][v] = load_codes(p + v * kW);
+      d[r] = native::broadcast(scales[r][run]);
     }
     for (int m = 0; m < M; ++m) {
-      vf xv[kLanesPerBlock];
-      for (int v = 0; v < kLanesPerBlock; ++v) xv[v] = native::load(x + m * k + b * kBlock + v * kW);
+      vf xv[kLanes];
+      for (int v = 0; v < kLanes; ++v) xv[v] = native::load(x + m * k + b * kBlk + v * kW);
       for (int r = 0; r < R; ++r) {
         vf s = w[r][0] * xv[0];
-        for (int v = 1; v < kLanesPerBlock; ++v) s = native::fmadd(w[r][v], xv[v], s);
+        for (int v = 1; v < kLanes; ++v) s = native::fmadd(w[r][v], xv[v], s);
         acc[m][r] = native::fmadd(s, d[r], acc[m][r]);
       }
     }
@@ -254,22 +361,23 @@ void q8_tile(const float* x, int64_t k, const int8_t* codes, const fp16* scales,
     for (int r = 0; r < R; ++r) y[m * n_total + n + r] = native::hsum(acc[m][r]);
 }
 
-template <int M>
-void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const fp16* scales, float* y, int64_t n_total,
-               int64_t n0, int64_t n1) {
+template <int M, class S>
+void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total, int64_t n0,
+               int64_t n1) {
   constexpr int R = M == 1 ? 4 : 2;  // output rows per pass: their codes and M x R accumulators in registers
   int64_t n = n0;
-  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, scales, y, n_total, n);
-  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, scales, y, n_total, n);
+  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, sc, y, n_total, n);
+  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, sc, y, n_total, n);
 }
 
-void q8_group(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, float* y,
-              int64_t n_total, int64_t n0, int64_t n1) {
+template <class S>
+void q8_group(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total,
+              int64_t n0, int64_t n1) {
   switch (m_rows) {
-    case 1: return q8_rows_m<1>(x, k, codes, scales, y, n_total, n0, n1);
-    case 2: return q8_rows_m<2>(x, k, codes, scales, y, n_total, n0, n1);
-    case 3: return q8_rows_m<3>(x, k, codes, scales, y, n_total, n0, n1);
-    default: return q8_rows_m<kGroup>(x, k, codes, scales, y, n_total, n0, n1);
+    case 1: return q8_rows_m<1>(x, k, codes, sc, y, n_total, n0, n1);
+    case 2: return q8_rows_m<2>(x, k, codes, sc, y, n_total, n0, n1);
+    case 3: return q8_rows_m<3>(x, k, codes, sc, y, n_total, n0, n1);
+    default: return q8_rows_m<kGroup>(x, k, codes, sc, y, n_total, n0, n1);
   }
 }
 
@@ -284,26 +392,47 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
   TORCH_CHECK(k % (2 * kBlock) == 0, op, ": K must be a multiple of 64");
 }
 
+// y [M, N] = x [M, K] @ W.T, 8-bit codes [N, K] with `sc`'s scales
+template <class S>
+torch::Tensor q8_form_gemv(const torch::Tensor& x, const torch::Tensor& codes, const S& sc, bool vectorized) {
+  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0);
+  auto y = torch::empty({rows, n}, x.options());
+  const auto* cp = codes.data_ptr<int8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto task = [&](int64_t n0, int64_t n1) {  // a task's rows (~64 KB) stay in L2 across groups
+    for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
+      const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
+      if (vectorized && kVectorized)
+        q8_group(xp + m0 * k, m_rows, k, cp, sc, yp + m0 * n, n, n0, n1);
+      else
+        for (int64_t r = n0; r < n1; ++r) q8_row_scalar(xp + m0 * k, m_rows, k, cp, sc, yp + m0 * n, n, r);
+    }
+  };
+  at::parallel_for(0, n, grain(k), task);
+  return y;
+}
+
+void check_codes8(const torch::Tensor& codes, const char* op) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
+                  codes.dim() == 2,
+              op, ": codes int8 [N, K]");
+}
+
 }  // namespace
 
 void asyncllm::q4_block_sums_f32(const float* x, int64_t m_rows, int64_t k, float* sx) { block_sums(x, m_rows, k, sx); }
 
 void asyncllm::q4_tile_rows_f32(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
                                 const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
-  const int64_t nb = k / kBlock;
-  for (int64_t m0 = 0; m0 < m_rows; m0 += kGroup) {
-    const int64_t rows = std::min<int64_t>(kGroup, m_rows - m0);
-    if (kVectorized)
-      q4_group(x + m0 * k, sx + m0 * nb, rows, k, codes, scales, offsets, y + m0 * n_out, n_out, t);
-    else
-      q4_tile_scalar(x + m0 * k, sx + m0 * nb, rows, k, codes, scales, offsets, y + m0 * n_out, n_out, t);
-  }
+  q4_tile_all_rows(x, sx, m_rows, k, codes, HalfScales{scales, offsets, k / kBlock}, y, n_out, t, true);
 }
 
 bool quant_gemv_f32_vectorized() { return kVectorized; }
 
 // y [M, n_out] fp32 = x [M, K] @ W.T, W in q4_pack's layout (codes uint8 [T, K/32, 8, 32], fp16
-// scales and offsets [T, K/32, 16]).
+// scales and offsets [T, K/32, 16]) or q4k_pack's (the same codes; `scales` uint8 [T, K/32, 2, 16]
+// holding each block's sc and m, `offsets` fp16 [T, K/256, 2, 16] each 256 weights' d and dmin).
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out, bool vectorized) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
@@ -311,59 +440,66 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
               "q4_gemv_f32: codes uint8 [T, K/32, 8, 32]");
   const int64_t tiles = codes.size(0), nb = codes.size(1), k = nb * kBlock, rows = x.size(0);
   TORCH_CHECK(n_out > (tiles - 1) * kTile && n_out <= tiles * kTile, "q4_gemv_f32: n_out must fill the last tile");
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
-                    t->size(1) == nb && t->size(2) == kTile,
-                "q4_gemv_f32: fp16 scales and offsets [T, K/32, 16]");
+  const bool k_form = scales.scalar_type() == torch::kByte;
+  if (k_form) {
+    TORCH_CHECK(nb % KScales::kPerSuper == 0, "q4_gemv_f32: K-form rows must be a multiple of 256 wide");
+    TORCH_CHECK(scales.is_contiguous() && scales.sizes() == torch::IntArrayRef({tiles, nb, 2, kTile}),
+                "q4_gemv_f32: K-form sc and m uint8 [T, K/32, 2, 16]");
+    TORCH_CHECK(offsets.scalar_type() == torch::kHalf && offsets.is_contiguous() &&
+                    offsets.sizes() == torch::IntArrayRef({tiles, nb / KScales::kPerSuper, 2, kTile}),
+                "q4_gemv_f32: K-form d and dmin fp16 [T, K/256, 2, 16]");
+  } else {
+    for (const auto* t : {&scales, &offsets})
+      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                      t->size(1) == nb && t->size(2) == kTile,
+                  "q4_gemv_f32: fp16 scales and offsets [T, K/32, 16]");
+  }
   check_x(x, k, "q4_gemv_f32");
   auto y = torch::empty({rows, n_out}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
-  const auto* sp = scales.data_ptr<at::Half>();
-  const auto* op = offsets.data_ptr<at::Half>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<float> sx(rows * nb);
   block_sums(xp, rows, k, sx.data());
   // A task takes each of its tiles through every group of rows of x in turn: the tile's codes
   // (8 K bytes) stay in L1 between groups.
-  auto task = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
-        const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
-        if (vectorized && kVectorized)
-          q4_group(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp + m0 * n_out, n_out, t);
-        else
-          q4_tile_scalar(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp + m0 * n_out, n_out, t);
-      }
+  auto run = [&](const auto& sc) {
+    auto task = [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) q4_tile_all_rows(xp, sx.data(), rows, k, cp, sc, yp, n_out, t, vectorized);
+    };
+    at::parallel_for(0, tiles, grain(kTile * k / 2), task);
   };
-  at::parallel_for(0, tiles, grain(kTile * k / 2), task);
+  if (k_form)
+    run(KScales{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb});
+  else
+    run(HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb});
   return y;
 }
 
 // y [M, N] fp32 = x [M, K] @ W.T, W = Q8_0 blocks (codes int8 [N, K], fp16 scales [N, K/32]).
 torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
-                  codes.dim() == 2,
-              "q8_gemv_f32: codes int8 [N, K]");
-  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0), nb = k / kBlock;
+  check_codes8(codes, "q8_gemv_f32");
+  const int64_t n = codes.size(0), k = codes.size(1), nb = k / kBlock;
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == n && scales.size(1) == nb,
               "q8_gemv_f32: fp16 scales [N, K/32]");
   check_x(x, k, "q8_gemv_f32");
-  auto y = torch::empty({rows, n}, x.options());
-  const auto* cp = codes.data_ptr<int8_t>();
-  const auto* sp = scales.data_ptr<at::Half>();
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  auto task = [&](int64_t n0, int64_t n1) {  // a task's rows (~64 KB) stay in L2 across groups
-    for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
-      const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
-      if (vectorized && kVectorized)
-        q8_group(xp + m0 * k, m_rows, k, cp, sp, yp + m0 * n, n, n0, n1);
-      else
-        for (int64_t r = n0; r < n1; ++r) q8_row_scalar(xp + m0 * k, m_rows, k, cp, sp, yp + m0 * n, n, r);
-    }
-  };
-  at::parallel_for(0, n, grain(k), task);
-  return y;
+  return q8_form_gemv(x, codes, Q8Scales{scales.data_ptr<at::Half>(), nb}, vectorized);
+}
+
+// y [M, N] fp32 = x [M, K] @ W.T, W = Q6_K's values as codes int8 [N, K] (q - 32), int8 scales
+// [N, K/16] and fp32 d [N, K/256]: W[n, k] = d[n, k/256] * scales[n, k/16] * codes[n, k].
+torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
+                          bool vectorized) {
+  check_codes8(codes, "q6_gemv_f32");
+  const int64_t n = codes.size(0), k = codes.size(1), nb = k / Q6Scales::kBlk;
+  TORCH_CHECK(k % (Q6Scales::kBlk * Q6Scales::kRun) == 0, "q6_gemv_f32: K must be a multiple of 256");
+  TORCH_CHECK(scales.scalar_type() == torch::kChar && scales.is_contiguous() &&
+                  scales.sizes() == torch::IntArrayRef({n, nb}),
+              "q6_gemv_f32: int8 scales [N, K/16]");
+  TORCH_CHECK(supers.scalar_type() == torch::kFloat && supers.is_contiguous() &&
+                  supers.sizes() == torch::IntArrayRef({n, nb / Q6Scales::kRun}),
+              "q6_gemv_f32: fp32 d [N, K/256]");
+  check_x(x, k, "q6_gemv_f32");
+  return q8_form_gemv(x, codes, Q6Scales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), nb}, vectorized);
 }

@@ -1,0 +1,222 @@
+"""llama.cpp's K-quants (Q4_K, Q6_K: what a Q4_K_M file holds) read by our fp32 kernels in their own
+factors (engine/models/gguf_blocks.py, engine/layers/kquant.py).
+
+- the block forms hold exactly the values gguf's dequantization gives;
+- the kernels' vector loops equal their plain loops to the bit and the float64 product to fp32
+  rounding, at row counts around the loops' groups and a row count that leaves a partial tile;
+- a tiny Llama written as a Q4_K_M-like file (Q4_K layers, Q6_K head and some v/down
+  projections, q/k rows permuted as llama.cpp stores them) runs those forms in the model and in
+  the fused decode loop, with fp32 greedy tokens and prompt log-probs equal to transformers' on
+  the file's values.
+
+The files' blocks are random bytes with bounded fp16 factors (gguf-py cannot quantize to K-quants;
+any bytes are valid blocks, and the reference reads the same bytes).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine.kernels import cpu_quant
+from engine.layers.fused_decode import FusedDecodeLayers
+from engine.layers.int4 import TiledQ4Weight
+from engine.layers.linear import DenseLinear, QuantLinear
+from engine.layers.q8 import Q8Weight
+from engine.model_executor.model_runner import ModelRunner
+from engine.models.gguf_blocks import q4k_blocks, q6k_blocks
+from engine.models.loader import resolve_model
+from tests.test_loader import llama_cpp_permute
+from tests.test_model_families import NO_SPECIAL, VOCAB, assert_scheduler_matches_transformers, family_args
+
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+VECTOR = pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
+
+
+def _halves(rng: np.random.Generator, lo: float, hi: float, shape: tuple[int, int]) -> np.ndarray:
+    return rng.uniform(lo, hi, shape).astype(np.float16).view(np.uint8).reshape(*shape, 2)
+
+
+def kquant_bytes(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of an [n, k] matrix, bytes [n, k / 256 * type size]: random codes and small
+    factors, fp16 super-factors in a range that keeps the weights ~0.1 (Q4_K: dmin near 7.5 d, so
+    the weights centre near zero)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    if qtype == Q4_K:
+        b[..., 0:2] = _halves(rng, 1e-4, 4e-4, (n, k // block))
+        b[..., 2:4] = _halves(rng, 1e-3, 2e-3, (n, k // block))
+    else:
+        b[..., 208:210] = _halves(rng, 5e-5, 1.5e-4, (n, k // block))
+    return b.reshape(n, -1)
+
+
+READERS = {Q4_K: q4k_blocks, Q6_K: q6k_blocks}
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_blocks_hold_ggufs_values(qtype):
+    n, k = 24, 512
+    raw = kquant_bytes(qtype, n, k, np.random.default_rng(0))
+    blocks = READERS[qtype](raw, (n, k))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
+    assert torch.equal(blocks.dequantize(), expected)
+    f = blocks.k
+    assert f is not None and f.d.shape == (n, k // 256)
+    if qtype == Q4_K:  # the factors multiply out to the exact scales and offsets
+        per = torch.arange(k // 32) // 8
+        assert torch.equal(f.d[:, per] * f.sc.float(), blocks.scale)
+        assert torch.equal(-(f.dmin[:, per] * f.m.float()), blocks.offset)
+        assert int(f.sc.max()) <= 63 and int(f.m.max()) <= 63
+    else:
+        assert torch.equal(f.d[:, torch.arange(k // 16) // 16] * f.sc.float(), blocks.scale)
+        assert int(blocks.q.min()) >= -32 and int(blocks.q.max()) <= 31
+    # row permutations and fusions carry the factors along
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    moved = blocks.map_rows(lambda t: t[perm])
+    assert torch.equal(moved.dequantize(), expected[perm])
+    fused = type(blocks).cat([blocks, moved])
+    assert fused.k is not None and torch.equal(fused.dequantize(), torch.cat([expected, expected[perm]]))
+
+
+@VECTOR
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_kernels_compute_the_files_values(qtype):
+    """Vector loops equal the plain loops to the bit; both equal the float64 product of the
+    dequantized weight to fp32 rounding; the K forms read fewer bytes than a Q8_0 / fp16-scale one."""
+    n, k = 40, 768  # 40 rows: two tiles and a partial one
+    raw = kquant_bytes(qtype, n, k, np.random.default_rng(1))
+    blocks = READERS[qtype](raw, (n, k))
+    form = blocks.pack(torch.float32)
+    w = blocks.dequantize().double()
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=g)
+        y = form.matmul(x)
+        if qtype == Q4_K:
+            assert isinstance(form, TiledQ4Weight) and form.tiles.k_form
+            plain = cpu_quant.q4_gemv(x, form.tiles, vector=False)
+        else:
+            assert isinstance(form, Q8Weight) and form.supers is not None
+            plain = cpu_quant.q8_gemv(x, form.codes, form.scales, form.supers, vector=False)
+        assert torch.equal(y, plain), rows
+        exact = x.double() @ w.T
+        assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5, rows
+    held = -(-n // cpu_quant.TILE) * cpu_quant.TILE if qtype == Q4_K else n  # 4-bit tiles pad to 16 rows
+    bits = 8 * form.nbytes / (held * k)
+    assert bits < (4.7 if qtype == Q4_K else 8.7), bits  # Q4_K: 4.5 in the file, Q6_K: 6.6
+
+
+@VECTOR
+def test_kernels_refuse_what_they_cannot_take():
+    raw = kquant_bytes(Q6_K, 16, 256, np.random.default_rng(2))
+    form = q6k_blocks(raw, (16, 256)).pack(torch.float32)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256"):
+        cpu_quant.q8_gemv(
+            torch.randn(1, 64), form.codes[:, :64].contiguous(), form.scales[:, :4].contiguous(), form.supers
+        )
+    with pytest.raises(RuntimeError, match="fp32 d"):
+        cpu_quant.q8_gemv(torch.randn(1, 256), form.codes, form.scales, form.supers.half())
+    # bf16 models keep Q6_K dense (the bf16 loops read Q8_0's scales alone)
+    assert q6k_blocks(raw, (16, 256)).pack(torch.bfloat16) is None
+
+
+# --- a Q4_K_M-like tiny Llama ------------------------------------------------------------------
+
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    **NO_SPECIAL,
+)
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def layer_type(layer: int, proj: str) -> GGMLQuantizationType:
+    """llama.cpp's Q4_K_M: Q4_K, with Q6_K for v and down in some layers (here layer 0)."""
+    return Q6_K if layer == 0 and proj in ("self_attn.v_proj", "mlp.down_proj") else Q4_K
+
+
+def write_kquant_llama(path, cfg: LlamaConfig, seed: int = 0) -> None:
+    """A Llama GGUF as llama.cpp lays it out (q/k rows permuted), its matrices random K-quant blocks."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_tensor("token_embd.weight", rng.normal(0, 1.0, (cfg.vocab_size, cfg.hidden_size)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(cfg.hidden_size, np.float32))
+    w.add_tensor("output.weight", kquant_bytes(Q6_K, cfg.vocab_size, cfg.hidden_size, rng), raw_dtype=Q6_K)
+    for i in range(cfg.num_hidden_layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.5, 1.5, cfg.hidden_size).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, cfg.hidden_size).astype(np.float32))
+        for hf, name in LAYER_NAMES.items():
+            n, k = sd[f"model.layers.{i}.{hf}.weight"].shape
+            qtype = layer_type(i, hf)
+            w.add_tensor(f"blk.{i}.{name}.weight", kquant_bytes(qtype, n, k, rng), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_q4_k_m_llama_runs_its_blocks_as_transformers_reads_them(tmp_path):
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_kquant_llama(path, LlamaConfig(**SHAPE))
+    src = resolve_model(str(path))
+    assert src.architecture == "LlamaForCausalLM"
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, config=src.hf_config, dtype=torch.float32
+    )
+    # the file's q rows as llama.cpp permuted them: transformers un-permutes, as we do
+    permuted = llama_cpp_permute(ref.model.layers[1].self_attn.q_proj.weight.detach().numpy(), 4)
+    assert not np.array_equal(permuted, ref.model.layers[1].self_attn.q_proj.weight.detach().numpy())
+    # every row count up to 16 on the blocks (a measured crossover may keep this tiny model dense)
+    runner = ModelRunner(family_args(str(path), q4_max_tokens=16))
+    model = runner.model
+    if cpu_quant.vectorized(torch.float32):
+        layers = model.layers
+        forms = {
+            "qkv0": layers[0].self_attn.qkv_proj,  # q, k Q4_K beside a Q6_K v: one kind only fuses
+            "qkv1": layers[1].self_attn.qkv_proj,
+            "down0": layers[0].mlp.down_proj,
+            "gate_up0": layers[0].mlp.gate_up_proj,
+        }
+        assert isinstance(forms["qkv0"], DenseLinear)
+        for name in ("qkv1", "gate_up0"):
+            m = forms[name]
+            assert isinstance(m, QuantLinear) and isinstance(m.packed, TiledQ4Weight) and m.packed.tiles.k_form, name
+        down = forms["down0"]
+        assert isinstance(down, QuantLinear) and isinstance(down.packed, Q8Weight) and down.packed.supers is not None
+        head = model.lm_head
+        assert isinstance(head, QuantLinear) and head.packed.supers is not None
+        assert isinstance(model.fused_decode, FusedDecodeLayers)  # the loop takes the K forms
+    assert_scheduler_matches_transformers(runner, ref, "llama-q4_k_m")
