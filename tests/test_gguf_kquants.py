@@ -4,9 +4,9 @@ factors (engine/models/gguf_blocks.py, engine/layers/kquant.py).
 - the block forms hold exactly the values gguf's dequantization gives;
 - the kernels' vector loops equal their plain loops to the bit and the float64 product to fp32
   rounding, at row counts around the loops' groups and a row count that leaves a partial tile;
-- a tiny Llama written as a Q4_K_M-like file (Q4_K layers, Q6_K head and some v/down
-  projections, q/k rows permuted as llama.cpp stores them) runs those forms in the model and in
-  the fused decode loop, with fp32 greedy tokens and prompt log-probs equal to transformers' on
+- a tiny Llama and Qwen2 written as Q4_K_M-like files (Q4_K layers, Q6_K head and some v/down
+  projections) run those forms in the model and in the fused decode loop (a q|k|v of Q4_K q|k
+  and a Q6_K v side by side), with fp32 greedy tokens and prompt log-probs equal to transformers' on
   the file's values.
 
 The files' blocks are random bytes with bounded fp16 factors (gguf-py cannot quantize to K-quants;
@@ -20,17 +20,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from engine.kernels import cpu_quant
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import DenseLinear, QuantLinear
+from engine.layers.linear import BatchInvariantLinear, QuantLinear, QuantParts
 from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
-from tests.test_loader import llama_cpp_permute
 from tests.test_model_families import NO_SPECIAL, VOCAB, assert_scheduler_matches_transformers, family_args
 
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
@@ -155,13 +154,14 @@ def layer_type(layer: int, proj: str) -> GGMLQuantizationType:
     return Q6_K if layer == 0 and proj in ("self_attn.v_proj", "mlp.down_proj") else Q4_K
 
 
-def write_kquant_llama(path, cfg: LlamaConfig, seed: int = 0) -> None:
-    """A Llama GGUF as llama.cpp lays it out (q/k rows permuted), its matrices random K-quant blocks."""
+def write_kquant_gguf(path, arch: str, cfg: LlamaConfig | Qwen2Config, seed: int = 0) -> None:
+    """A Llama or Qwen2 GGUF as llama.cpp lays it out (Qwen2 with its q/k/v biases), its matrices
+    random K-quant blocks (Llama's q/k rows stand as permuted by llama.cpp: both readers undo it)."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -182,41 +182,47 @@ def write_kquant_llama(path, cfg: LlamaConfig, seed: int = 0) -> None:
             n, k = sd[f"model.layers.{i}.{hf}.weight"].shape
             qtype = layer_type(i, hf)
             w.add_tensor(f"blk.{i}.{name}.weight", kquant_bytes(qtype, n, k, rng), raw_dtype=qtype)
+            if f"model.layers.{i}.{hf}.bias" in sd:
+                w.add_tensor(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, n).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_a_q4_k_m_llama_runs_its_blocks_as_transformers_reads_them(tmp_path):
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    write_kquant_llama(path, LlamaConfig(**SHAPE))
+@pytest.mark.parametrize(("arch", "deterministic"), [("llama", False), ("qwen2", False), ("llama", True)])
+def test_a_q4_k_m_model_runs_its_blocks_as_transformers_reads_them(arch, deterministic, tmp_path):
+    """Q4_K_M's layout: layer 0's q|k|v runs as Q4_K q|k beside a Q6_K v (`QuantParts`, Qwen2's
+    biases added after them), its down as Q6_K; layer 1 all Q4_K; the head Q6_K. Deterministic
+    inference runs the same blocks at every decode row count (`BatchInvariantLinear.blocks`)."""
+    path = tmp_path / f"tiny-{arch}-q4_k_m.gguf"
+    config = LlamaConfig(**SHAPE) if arch == "llama" else Qwen2Config(**SHAPE)
+    write_kquant_gguf(path, arch, config)
     src = resolve_model(str(path))
-    assert src.architecture == "LlamaForCausalLM"
+    assert src.architecture == type(config).__name__.replace("Config", "ForCausalLM")
     ref = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, config=src.hf_config, dtype=torch.float32
     )
-    # the file's q rows as llama.cpp permuted them: transformers un-permutes, as we do
-    permuted = llama_cpp_permute(ref.model.layers[1].self_attn.q_proj.weight.detach().numpy(), 4)
-    assert not np.array_equal(permuted, ref.model.layers[1].self_attn.q_proj.weight.detach().numpy())
     # every row count up to 16 on the blocks (a measured crossover may keep this tiny model dense)
-    runner = ModelRunner(family_args(str(path), q4_max_tokens=16))
+    args = family_args(str(path), q4_max_tokens=16, enable_deterministic_inference=deterministic)
+    runner = ModelRunner(args)
     model = runner.model
-    if cpu_quant.vectorized(torch.float32):
+    if deterministic and cpu_quant.vectorized(torch.float32):
+        qkv0 = model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv0, BatchInvariantLinear) and isinstance(qkv0.blocks, QuantParts)
+        assert isinstance(model.fused_decode, FusedDecodeLayers)
+    elif cpu_quant.vectorized(torch.float32):
         layers = model.layers
-        forms = {
-            "qkv0": layers[0].self_attn.qkv_proj,  # q, k Q4_K beside a Q6_K v: one kind only fuses
-            "qkv1": layers[1].self_attn.qkv_proj,
-            "down0": layers[0].mlp.down_proj,
-            "gate_up0": layers[0].mlp.gate_up_proj,
-        }
-        assert isinstance(forms["qkv0"], DenseLinear)
-        for name in ("qkv1", "gate_up0"):
-            m = forms[name]
-            assert isinstance(m, QuantLinear) and isinstance(m.packed, TiledQ4Weight) and m.packed.tiles.k_form, name
-        down = forms["down0"]
+        qkv0 = layers[0].self_attn.qkv_proj
+        assert isinstance(qkv0, QuantLinear) and isinstance(qkv0.packed, QuantParts)
+        q_k, v = qkv0.packed.forms
+        assert isinstance(q_k, TiledQ4Weight) and q_k.tiles.k_form and q_k.out_features == 256 + 128
+        assert isinstance(v, Q8Weight) and v.supers is not None and v.out_features == 128
+        for m in (layers[1].self_attn.qkv_proj, layers[0].mlp.gate_up_proj):
+            assert isinstance(m, QuantLinear) and isinstance(m.packed, TiledQ4Weight) and m.packed.tiles.k_form
+        down = layers[0].mlp.down_proj
         assert isinstance(down, QuantLinear) and isinstance(down.packed, Q8Weight) and down.packed.supers is not None
         head = model.lm_head
         assert isinstance(head, QuantLinear) and head.packed.supers is not None
-        assert isinstance(model.fused_decode, FusedDecodeLayers)  # the loop takes the K forms
-    assert_scheduler_matches_transformers(runner, ref, "llama-q4_k_m")
+        assert isinstance(model.fused_decode, FusedDecodeLayers)  # the loop takes every one of these forms
+    assert_scheduler_matches_transformers(runner, ref, f"{arch}-q4_k_m")

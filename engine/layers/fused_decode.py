@@ -53,7 +53,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import BatchInvariantLinear, DenseLinear, OneDNNLinear, QuantLinear, RowTiles
+from engine.layers.linear import BatchInvariantLinear, DenseLinear, OneDNNLinear, QuantLinear, QuantParts, RowTiles
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
 from engine.lora.projections import PROJECTIONS
@@ -74,6 +74,9 @@ class _Form(NamedTuple):
     # groups of this many rows)
     tile_rows: int = 0
     small_rows: int = 0  # an fp32 dense weight: 1..small_rows rows through gemv_f32 (DenseLinear)
+    # QuantParts: each part's quantized tensors and output width (`parts` then holds the dense
+    # weight only; the loop's `set_pieces`)
+    pieces: tuple[tuple[list[torch.Tensor], int], ...] = ()
 
 
 def _fp32_dense(module: Any) -> bool:
@@ -86,10 +89,17 @@ EVERY_ROW = 2**62  # a quantized form's row bound that no forward reaches
 
 def _block_parts(packed: TiledQ4Weight | Q8Weight) -> list[torch.Tensor]:
     """A block form's tensors as the loop takes them: 4-bit tiles (codes, scales, offsets), Q8_0
-    (int8 codes, scales) or Q6_K (int8 codes, int8 scales, fp16 d)."""
+    (int8 codes, scales) or Q6_K (int8 codes, int8 scales, d)."""
     if isinstance(packed, TiledQ4Weight):
         return [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
     return [packed.codes, packed.scales] + ([] if packed.supers is None else [packed.supers])
+
+
+def _blocks_form(packed: TiledQ4Weight | Q8Weight | QuantParts) -> tuple[list[torch.Tensor], tuple]:
+    """(the quantized tensors add_layer takes, the pieces set_pieces takes): one of them empty."""
+    if isinstance(packed, QuantParts):
+        return [], tuple((_block_parts(f), f.out_features) for f in packed.forms)
+    return _block_parts(packed), ()
 
 
 def _form(module: Any) -> _Form | None:
@@ -104,16 +114,17 @@ def _form(module: Any) -> _Form | None:
             if module.blocks is None:
                 return _Form([inner.weight], inner.out_features, None, inner.bias, True, cpu_gemv.MAX_ROWS)
             # the block loops at every row count (no bound: `BatchInvariantLinear.blocks`)
-            parts = [*_block_parts(module.blocks), inner.weight]
-            return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, cpu_gemv.MAX_ROWS)
+            blocks, pieces = _blocks_form(module.blocks)
+            parts = [*blocks, inner.weight]
+            return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, cpu_gemv.MAX_ROWS, pieces=pieces)
         return None
     if isinstance(module, OneDNNLinear):
         return _Form([module.packed], module.out_features, None, module.bias, True)
     if _fp32_dense(module):
         return _Form([module.weight], module.out_features, None, module.bias, True, small_rows=module.small_rows)
-    if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight)):
+    if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight, QuantParts)):
         packed, big = module.packed, module.big
-        parts = _block_parts(packed)
+        parts, pieces = _blocks_form(packed)
         small_rows = 0
         dense = isinstance(big, OneDNNLinear) or _fp32_dense(big)
         if isinstance(big, OneDNNLinear):
@@ -121,7 +132,10 @@ def _form(module: Any) -> _Form | None:
         elif dense:
             parts.append(big.weight)
             small_rows = big.small_rows
-        return _Form(parts, packed.out_features, module.max_rows, module.bias, dense, small_rows=small_rows)
+        if pieces and not dense:  # the loop's pieces stand beside a dense weight only
+            return None
+        bound = module.max_rows
+        return _Form(parts, packed.out_features, bound, module.bias, dense, small_rows=small_rows, pieces=pieces)
     return None
 
 
@@ -204,6 +218,10 @@ class FusedDecodeLayers:
                 tile_rows,
                 small_rows,
             )
+            for j, form in enumerate((qkv, o, gate_up, down)):
+                if form.pieces:
+                    tensors, widths = zip(*form.pieces)
+                    native.set_pieces(i, j, list(tensors), list(widths), form.q4_rows)
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
         dense_everywhere = all(f.has_dense for layer in forms for f in layer)

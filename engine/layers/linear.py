@@ -10,8 +10,9 @@
   every call; prepacked, a decode step's matmuls take 15-45% less time (measured on a 2-core CPU,
   batch 1 to 64) with bit-identical results.
 - `QuantLinear`: a GGUF block-quantized weight (4-bit layer weights, int4.py; the Q8_0 LM head,
-  q8.py) through a quantized CPU kernel for inputs of at most `max_rows` rows, where reading a
-  quarter (half) of a bf16 weight's bytes wins (an eighth, a quarter of an fp32 one's); its dense
+  q8.py; a fused projection of parts in different kinds of blocks, `QuantParts`) through a
+  quantized CPU kernel for inputs of at most `max_rows` rows, where reading a quarter (half) of
+  a bf16 weight's bytes wins (an eighth, a quarter of an fp32 one's); its dense
   form (`big`, one of the two above) for more rows, where the kernel's per-row cost loses. That
   row-count choice is this module's job; where the crossover lies is measured at start-up
   (int4_crossover.py).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,32 @@ from engine.kernels import cpu_gemv
 from engine.layers.int4 import PackedInt4Weight, TiledQ4Weight
 from engine.layers.q8 import Q8Weight
 
-QuantWeight = TiledQ4Weight | PackedInt4Weight | Q8Weight  # each has matmul, nbytes, in/out_features
+
+@dataclass
+class QuantParts:
+    """A fused projection whose parts came in blocks of different kinds, each in its own form
+    (llama.cpp's Q4_K_M stores some layers' v as Q6_K beside Q4_K q and k; one kernel call cannot
+    take both, and dense fp32 would read 7x the bytes of those parts): outputs side by side."""
+
+    forms: list[TiledQ4Weight | Q8Weight]
+
+    @property
+    def in_features(self) -> int:
+        return self.forms[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(f.out_features for f in self.forms)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.forms)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([f.matmul(x) for f in self.forms], dim=-1)
+
+
+QuantWeight = TiledQ4Weight | PackedInt4Weight | Q8Weight | QuantParts  # each has matmul, nbytes, in/out_features
 
 
 def onednn_prepack_available() -> bool:
@@ -201,7 +228,10 @@ class BatchInvariantLinear(nn.Module):
     hold (tests/test_deterministic.py checks both)."""
 
     def __init__(
-        self, inner: DenseLinear | OneDNNLinear, tiles: RowTiles, blocks: TiledQ4Weight | Q8Weight | None = None
+        self,
+        inner: DenseLinear | OneDNNLinear,
+        tiles: RowTiles,
+        blocks: TiledQ4Weight | Q8Weight | QuantParts | None = None,
     ) -> None:
         super().__init__()
         self.inner, self.tiles = inner, tiles
@@ -263,7 +293,7 @@ def finalize_linear(
     or its fp32 block loops where it has a block form: `BatchInvariantLinear.blocks`)."""
     big = OneDNNLinear.from_dense(dense) or dense
     weight = dense.weight
-    ours = isinstance(packed, (TiledQ4Weight, Q8Weight))  # torch's int4pack form takes bf16 only
+    ours = isinstance(packed, (TiledQ4Weight, Q8Weight, QuantParts))  # torch's int4pack form takes bf16 only
     if row_tiles is not None:
         # decode_loop: an fp32 CPU model with the fixed-order loops built
         return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_loop else None)

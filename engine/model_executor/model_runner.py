@@ -182,6 +182,9 @@ class ModelRunner(RunnerWeights):
             elif dataclasses.is_dataclass(v) and not isinstance(v, type):
                 for f in dataclasses.fields(v):
                     collect(getattr(v, f.name))
+            elif isinstance(v, (list, tuple)):  # QuantParts' forms
+                for item in v:
+                    collect(item)
 
         for module in self.model.modules():
             for v in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]:

@@ -34,13 +34,13 @@ from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.fused_decode import FusedDecodeLayers
-from engine.layers.int4 import Q4Blocks
+from engine.layers.int4 import Q4Blocks, TiledQ4Weight
 from engine.layers.int4_crossover import measure_int4_crossover
-from engine.layers.linear import DenseLinear, QuantLinear, QuantWeight, RowTiles, finalize_linear
+from engine.layers.linear import DenseLinear, QuantLinear, QuantParts, QuantWeight, RowTiles, finalize_linear
 from engine.layers.moe import FusedMoE
 from engine.layers.moe_q4 import EXPERT_PROJS
 from engine.layers.norm import RMSNorm
-from engine.layers.q8 import Q8Blocks
+from engine.layers.q8 import Q8Blocks, Q8Weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabEmbedding
 from engine.layers.weight_quant import WeightOnlyQuant
@@ -303,15 +303,23 @@ class LlamaForCausalLM(nn.Module):
         if len(have) == len(linear.output_sizes):
             del parts[path]
             ordered = [have[s] for s in sorted(have)]
-            first = ordered[0]
-            if first is not None and all(type(b) is type(first) for b in ordered):  # one kind, none missing
-                try:
-                    fused = type(first).cat(ordered)
-                except ValueError:  # blocks of different group sizes (Q8_0 beside Q6_K): dense only
-                    return
-                form = fused.pack(self.embed_tokens.weight.dtype)
-                if form is not None:
-                    packed[path] = form
+            if any(b is None for b in ordered):  # a part came dense: the projection stays dense
+                return
+            # consecutive parts of one kind fuse; kinds that differ (Q4_K_M's Q4_K q|k, Q6_K v)
+            # run side by side
+            runs: list[list[Q4Blocks | Q8Blocks]] = []
+            for b in ordered:
+                kind = (type(b), b.group_size, b.k is None)
+                if runs and (type(runs[-1][0]), runs[-1][0].group_size, runs[-1][0].k is None) == kind:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            dtype = self.embed_tokens.weight.dtype
+            forms = [type(run[0]).cat(run).pack(dtype) for run in runs]
+            if len(forms) == 1 and forms[0] is not None:
+                packed[path] = forms[0]
+            elif len(forms) > 1 and all(isinstance(f, (TiledQ4Weight, Q8Weight)) for f in forms):
+                packed[path] = QuantParts(forms)
 
     def _expected_parts(self) -> set[tuple[str, int]]:
         """(parameter, part) pairs a complete checkpoint sets (a tied LM head is the embedding)."""

@@ -82,6 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &asyncllm::DecodeLayers::add_layer)
       .def("num_layers", &asyncllm::DecodeLayers::num_layers)
+      .def("set_pieces", &asyncllm::DecodeLayers::set_pieces,
+           "a fused projection's parts in blocks of different kinds, run side by side (QuantParts)")
       .def("set_lora", &asyncllm::DecodeLayers::set_lora, "a projection's multi-LoRA buffers (engine/lora/pool.py)")
       .def("forward", &asyncllm::DecodeLayers::forward, "every layer of a small decode batch",
            py::call_guard<py::gil_scoped_release>());

@@ -31,6 +31,8 @@
 
 #include "decode_layers.h"
 
+#include <limits>
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -76,6 +78,10 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   p.small_rows = small_rows;
   TORCH_CHECK(tile_rows == 0 || p.dense.defined(), "row tiles take a dense weight");
   return p;
+}
+
+Projection projection_of(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
+  return projection(parts, out_features, q4_rows, std::nullopt, 0, 0);
 }
 
 // mkldnn::_linear_pointwise on a prepacked weight (and its bias) with no fused op: the call
@@ -126,6 +132,12 @@ torch::Tensor grouped_gemv_f32(const torch::Tensor& x, const Projection& w) {
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   const bool f32 = x.scalar_type() == torch::kFloat;
   const int64_t t = x.size(0);
+  if (!w.pieces.empty() && (t <= w.q4_rows || !w.dense.defined())) {  // QuantParts.matmul
+    std::vector<torch::Tensor> outs;
+    for (const Projection& piece : w.pieces) outs.push_back(gemv(x, piece));
+    torch::Tensor out = torch::cat(outs, 1);
+    return w.bias.defined() ? out + w.bias : out;
+  }
   if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
@@ -183,6 +195,25 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                                 projection(gate_up, gate_up_out, q4_rows, biases[2], tile_rows, small_rows),
                                 projection(down, down_out, q4_rows, biases[3], tile_rows, small_rows), k_buffer,
                                 v_buffer});
+}
+
+void DecodeLayers::set_pieces(int64_t layer, int64_t projection, std::vector<std::vector<torch::Tensor>> pieces,
+                              std::vector<int64_t> piece_out, int64_t q4_rows) {
+  TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < 4, "pieces: layer or projection");
+  TORCH_CHECK(!pieces.empty() && pieces.size() == piece_out.size(), "pieces: one output width per piece");
+  DecodeLayer& l = layers_[layer];
+  Projection& p = projection == 0 ? l.qkv : projection == 1 ? l.o : projection == 2 ? l.gate_up : l.down;
+  TORCH_CHECK(!p.codes.defined(), "pieces: the projection has one quantized form already");
+  int64_t total = 0;
+  p.pieces.clear();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    TORCH_CHECK(pieces[i].size() == 2 || pieces[i].size() == 3, "pieces: each a quantized form only");
+    // every row count that reaches a piece runs its blocks (the bound is the projection's)
+    p.pieces.push_back(projection_of(pieces[i], piece_out[i], std::numeric_limits<int64_t>::max()));
+    total += piece_out[i];
+  }
+  TORCH_CHECK(total == p.out_features, "pieces: their outputs must add up to the projection's");
+  p.q4_rows = q4_rows;
 }
 
 void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,

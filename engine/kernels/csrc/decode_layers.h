@@ -27,6 +27,10 @@ struct Projection {
   // zero-padded (engine/layers/linear.py BatchInvariantLinear; fp32: gemv_f32 on groups of this
   // many rows, cpu_gemv.gemv_groups); 0: one call over every row
   int64_t tile_rows = 0;
+  // a fused projection whose parts came in blocks of different kinds (llama.cpp's Q4_K_M: Q4_K q
+  // and k beside a Q6_K v): each part's quantized form, outputs side by side, in place of `codes`
+  // for inputs of at most q4_rows rows (engine/layers/linear.py QuantParts)
+  std::vector<Projection> pieces;
 };
 
 // One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the C++ path's form):
@@ -86,6 +90,11 @@ class DecodeLayers {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor out_cache_loc,
                         torch::Tensor slots, torch::Tensor lens, std::optional<torch::Tensor> prefix_lens,
                         std::optional<torch::Tensor> query_starts, std::optional<torch::Tensor> lora_slots) const;
+  // `projection` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer` runs `pieces` (each one part's
+  // quantized tensors, as add_layer takes them, its outputs `piece_out` wide) side by side for
+  // inputs of at most q4_rows rows, its dense weight above.
+  void set_pieces(int64_t layer, int64_t projection, std::vector<std::vector<torch::Tensor>> pieces,
+                  std::vector<int64_t> piece_out, int64_t q4_rows);
   // The LoRA pool's buffers of `projection` (0 q|k|v, 1 o, 2 gate|up, 3 down) in `layer`, kept by
   // reference: the pool writes its slots in place between forwards.
   void set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
