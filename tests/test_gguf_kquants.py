@@ -28,11 +28,11 @@ from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import BatchInvariantLinear, QuantLinear, QuantParts
 from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
-from engine.models.gguf_blocks import q4k_blocks, q6k_blocks
+from engine.models.gguf_blocks import q4k_blocks, q5_0_blocks, q5k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
 from tests.test_model_families import NO_SPECIAL, VOCAB, assert_scheduler_matches_transformers, family_args
 
-Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+Q4_K, Q5_K, Q6_K, Q5_0 = (GGMLQuantizationType[t] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0"))
 VECTOR = pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
 
 
@@ -46,18 +46,21 @@ def kquant_bytes(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Gen
     the weights centre near zero)."""
     block, size = GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    if qtype == Q4_K:
-        b[..., 0:2] = _halves(rng, 1e-4, 4e-4, (n, k // block))
-        b[..., 2:4] = _halves(rng, 1e-3, 2e-3, (n, k // block))
-    else:
+    if qtype in (Q4_K, Q5_K):  # Q5_K's codes are twice Q4_K's: half the factors
+        scale = 1.0 if qtype == Q4_K else 0.5
+        b[..., 0:2] = _halves(rng, 1e-4 * scale, 4e-4 * scale, (n, k // block))
+        b[..., 2:4] = _halves(rng, 1e-3 * scale, 2e-3 * scale, (n, k // block))
+    elif qtype == Q6_K:
         b[..., 208:210] = _halves(rng, 5e-5, 1.5e-4, (n, k // block))
+    else:  # Q5_0, one fp16 d per 32
+        b[..., 0:2] = _halves(rng, 2e-3, 6e-3, (n, k // block))
     return b.reshape(n, -1)
 
 
-READERS = {Q4_K: q4k_blocks, Q6_K: q6k_blocks}
+READERS = {Q4_K: q4k_blocks, Q5_K: q5k_blocks, Q6_K: q6k_blocks, Q5_0: q5_0_blocks}
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", list(READERS))
 def test_blocks_hold_ggufs_values(qtype):
     n, k = 24, 512
     raw = kquant_bytes(qtype, n, k, np.random.default_rng(0))
@@ -65,13 +68,17 @@ def test_blocks_hold_ggufs_values(qtype):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
     assert torch.equal(blocks.dequantize(), expected)
     f = blocks.k
-    assert f is not None and f.d.shape == (n, k // 256)
-    if qtype == Q4_K:  # the factors multiply out to the exact scales and offsets
+    if qtype == Q5_0:  # Q8_0's form: codes q - 16, one scale per 32
+        assert f is None and blocks.group_size == 32 and int(blocks.q.min()) >= -16 and int(blocks.q.max()) <= 15
+    elif qtype in (Q4_K, Q5_K):  # the factors multiply out to the exact scales and offsets
+        assert f is not None and f.d.shape == (n, k // 256)
         per = torch.arange(k // 32) // 8
         assert torch.equal(f.d[:, per] * f.sc.float(), blocks.scale)
         assert torch.equal(-(f.dmin[:, per] * f.m.float()), blocks.offset)
         assert int(f.sc.max()) <= 63 and int(f.m.max()) <= 63
+        assert int(blocks.q.max()) <= (15 if qtype == Q4_K else 31)
     else:
+        assert f is not None and f.d.shape == (n, k // 256)
         assert torch.equal(f.d[:, torch.arange(k // 16) // 16] * f.sc.float(), blocks.scale)
         assert int(blocks.q.min()) >= -32 and int(blocks.q.max()) <= 31
     # row permutations and fusions carry the factors along
@@ -79,11 +86,11 @@ def test_blocks_hold_ggufs_values(qtype):
     moved = blocks.map_rows(lambda t: t[perm])
     assert torch.equal(moved.dequantize(), expected[perm])
     fused = type(blocks).cat([blocks, moved])
-    assert fused.k is not None and torch.equal(fused.dequantize(), torch.cat([expected, expected[perm]]))
+    assert (fused.k is None) == (f is None) and torch.equal(fused.dequantize(), torch.cat([expected, expected[perm]]))
 
 
 @VECTOR
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", list(READERS))
 def test_kernels_compute_the_files_values(qtype):
     """Vector loops equal the plain loops to the bit; both equal the float64 product of the
     dequantized weight to fp32 rounding; the K forms read fewer bytes than a Q8_0 / fp16-scale one."""
@@ -100,14 +107,14 @@ def test_kernels_compute_the_files_values(qtype):
             assert isinstance(form, TiledQ4Weight) and form.tiles.k_form
             plain = cpu_quant.q4_gemv(x, form.tiles, vector=False)
         else:
-            assert isinstance(form, Q8Weight) and form.supers is not None
+            assert isinstance(form, Q8Weight) and (form.supers is None) == (qtype == Q5_0)
             plain = cpu_quant.q8_gemv(x, form.codes, form.scales, form.supers, vector=False)
         assert torch.equal(y, plain), rows
         exact = x.double() @ w.T
         assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5, rows
     held = -(-n // cpu_quant.TILE) * cpu_quant.TILE if qtype == Q4_K else n  # 4-bit tiles pad to 16 rows
     bits = 8 * form.nbytes / (held * k)
-    assert bits < (4.7 if qtype == Q4_K else 8.7), bits  # Q4_K: 4.5 in the file, Q6_K: 6.6
+    assert bits < {Q4_K: 4.7, Q5_K: 8.8, Q6_K: 8.7, Q5_0: 8.6}[qtype], bits  # files: 4.5, 5.5, 6.6, 5.5
 
 
 @VECTOR
@@ -120,8 +127,13 @@ def test_kernels_refuse_what_they_cannot_take():
         )
     with pytest.raises(RuntimeError, match="fp32 d"):
         cpu_quant.q8_gemv(torch.randn(1, 256), form.codes, form.scales, form.supers.half())
-    # bf16 models keep Q6_K dense (the bf16 loops read Q8_0's scales alone)
+    raw5 = kquant_bytes(Q5_K, 16, 256, np.random.default_rng(3))
+    form5 = q5k_blocks(raw5, (16, 256)).pack(torch.float32)
+    with pytest.raises(RuntimeError, match="fp32 d and dmin"):
+        cpu_quant.q8_gemv(torch.randn(1, 256), form5.codes, form5.scales, form5.supers.half())
+    # bf16 models keep Q6_K and Q5_K dense (the bf16 loops read Q8_0's scales alone)
     assert q6k_blocks(raw, (16, 256)).pack(torch.bfloat16) is None
+    assert q5k_blocks(raw5, (16, 256)).pack(torch.bfloat16) is None
 
 
 # --- a Q4_K_M-like tiny Llama ------------------------------------------------------------------
@@ -149,12 +161,15 @@ LAYER_NAMES = {
 }
 
 
-def layer_type(layer: int, proj: str) -> GGMLQuantizationType:
-    """llama.cpp's Q4_K_M: Q4_K, with Q6_K for v and down in some layers (here layer 0)."""
-    return Q6_K if layer == 0 and proj in ("self_attn.v_proj", "mlp.down_proj") else Q4_K
+def layer_type(layer: int, proj: str, base: GGMLQuantizationType) -> GGMLQuantizationType:
+    """llama.cpp's Q4_K_M (base Q4_K) and Q5_K_M (base Q5_K): Q6_K for v and down in some layers
+    (here layer 0)."""
+    return Q6_K if layer == 0 and proj in ("self_attn.v_proj", "mlp.down_proj") else base
 
 
-def write_kquant_gguf(path, arch: str, cfg: LlamaConfig | Qwen2Config, seed: int = 0) -> None:
+def write_kquant_gguf(
+    path, arch: str, cfg: LlamaConfig | Qwen2Config, base: GGMLQuantizationType = Q4_K, seed: int = 0
+) -> None:
     """A Llama or Qwen2 GGUF as llama.cpp lays it out (Qwen2 with its q/k/v biases), its matrices
     random K-quant blocks (Llama's q/k rows stand as permuted by llama.cpp: both readers undo it)."""
     rng = np.random.default_rng(seed)
@@ -180,7 +195,7 @@ def write_kquant_gguf(path, arch: str, cfg: LlamaConfig | Qwen2Config, seed: int
         w.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, cfg.hidden_size).astype(np.float32))
         for hf, name in LAYER_NAMES.items():
             n, k = sd[f"model.layers.{i}.{hf}.weight"].shape
-            qtype = layer_type(i, hf)
+            qtype = layer_type(i, hf, base)
             w.add_tensor(f"blk.{i}.{name}.weight", kquant_bytes(qtype, n, k, rng), raw_dtype=qtype)
             if f"model.layers.{i}.{hf}.bias" in sd:
                 w.add_tensor(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, n).astype(np.float32))
@@ -190,14 +205,19 @@ def write_kquant_gguf(path, arch: str, cfg: LlamaConfig | Qwen2Config, seed: int
     w.close()
 
 
-@pytest.mark.parametrize(("arch", "deterministic"), [("llama", False), ("qwen2", False), ("llama", True)])
-def test_a_q4_k_m_model_runs_its_blocks_as_transformers_reads_them(arch, deterministic, tmp_path):
-    """Q4_K_M's layout: layer 0's q|k|v runs as Q4_K q|k beside a Q6_K v (`QuantParts`, Qwen2's
-    biases added after them), its down as Q6_K; layer 1 all Q4_K; the head Q6_K. Deterministic
-    inference runs the same blocks at every decode row count (`BatchInvariantLinear.blocks`)."""
-    path = tmp_path / f"tiny-{arch}-q4_k_m.gguf"
+@pytest.mark.parametrize(
+    ("arch", "base", "deterministic"),
+    [("llama", Q4_K, False), ("qwen2", Q4_K, False), ("llama", Q4_K, True), ("qwen2", Q5_K, False)],
+)
+def test_a_k_m_model_runs_its_blocks_as_transformers_reads_them(arch, base, deterministic, tmp_path):
+    """Q4_K_M's layout (Q5_K_M's with Q5_K for Q4_K): layer 0's q|k|v runs as the base's q|k beside
+    a Q6_K v (`QuantParts`, Qwen2's biases added after them), its down as Q6_K; layer 1 all base;
+    the head Q6_K. Deterministic inference runs the same blocks at every decode row count
+    (`BatchInvariantLinear.blocks`)."""
+    name = f"{arch}-{base.name.lower()}_m"
+    path = tmp_path / f"tiny-{name}.gguf"
     config = LlamaConfig(**SHAPE) if arch == "llama" else Qwen2Config(**SHAPE)
-    write_kquant_gguf(path, arch, config)
+    write_kquant_gguf(path, arch, config, base)
     src = resolve_model(str(path))
     assert src.architecture == type(config).__name__.replace("Config", "ForCausalLM")
     ref = AutoModelForCausalLM.from_pretrained(
@@ -207,6 +227,12 @@ def test_a_q4_k_m_model_runs_its_blocks_as_transformers_reads_them(arch, determi
     args = family_args(str(path), q4_max_tokens=16, enable_deterministic_inference=deterministic)
     runner = ModelRunner(args)
     model = runner.model
+
+    def is_base(form) -> bool:
+        if base == Q4_K:
+            return isinstance(form, TiledQ4Weight) and form.tiles.k_form
+        return isinstance(form, Q8Weight) and form.scales.dtype == torch.uint8  # Q5_K's sc and m
+
     if deterministic and cpu_quant.vectorized(torch.float32):
         qkv0 = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv0, BatchInvariantLinear) and isinstance(qkv0.blocks, QuantParts)
@@ -216,13 +242,13 @@ def test_a_q4_k_m_model_runs_its_blocks_as_transformers_reads_them(arch, determi
         qkv0 = layers[0].self_attn.qkv_proj
         assert isinstance(qkv0, QuantLinear) and isinstance(qkv0.packed, QuantParts)
         q_k, v = qkv0.packed.forms
-        assert isinstance(q_k, TiledQ4Weight) and q_k.tiles.k_form and q_k.out_features == 256 + 128
-        assert isinstance(v, Q8Weight) and v.supers is not None and v.out_features == 128
-        for m in (layers[1].self_attn.qkv_proj, layers[0].mlp.gate_up_proj):
-            assert isinstance(m, QuantLinear) and isinstance(m.packed, TiledQ4Weight) and m.packed.tiles.k_form
+        assert is_base(q_k) and q_k.out_features == 256 + 128
+        assert isinstance(v, Q8Weight) and v.scales.dtype == torch.int8 and v.out_features == 128  # Q6_K
+        for m in (layers[1].self_attn.qkv_proj, layers[0].mlp.gate_up_proj, layers[1].mlp.down_proj):
+            assert isinstance(m, QuantLinear) and is_base(m.packed)
         down = layers[0].mlp.down_proj
         assert isinstance(down, QuantLinear) and isinstance(down.packed, Q8Weight) and down.packed.supers is not None
         head = model.lm_head
         assert isinstance(head, QuantLinear) and head.packed.supers is not None
         assert isinstance(model.fused_decode, FusedDecodeLayers)  # the loop takes every one of these forms
-    assert_scheduler_matches_transformers(runner, ref, f"{arch}-q4_k_m")
+    assert_scheduler_matches_transformers(runner, ref, name)

@@ -4,7 +4,8 @@ activations, csrc/cpu_quant_gemv_f32.cpp for fp32 ones).
 `y = x @ W.T` for an x of a few rows, W kept in a GGUF file's own blocks: 4-bit
 (Q4_0/Q4_1: code, fp16 scale and offset per 32 weights; Q4_K: the same codes, each scale and
 offset a 6-bit factor per 32 weights times an fp16 one per 256) or 8-bit (Q8_0: int8 code, fp16
-scale; Q6_K, fp32 only: its 6-bit codes as int8, an int8 factor per 16 weights times an fp16 per 256).
+scale; fp32 only: Q6_K's 6-bit codes as int8, an int8 factor per 16 weights times a d per 256,
+and Q5_K's 5-bit codes as int8 with Q4_K's factored scale and offset).
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
 memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bound (torch's
 int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
@@ -143,10 +144,13 @@ def q8_gemv(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor | None = None, vector: bool = True
 ) -> torch.Tensor:
     """bf16 or fp32 `[M, K] @ W.T` -> `[M, N]` of x's dtype, W[n, k] = scales[n, k/32] * codes[n, k]
-    (Q8_0: fp16 scales); with `supers` (Q6_K, fp32 x only), W[n, k] = supers[n, k/256] *
-    scales[n, k/16] * codes[n, k] (int8 scales, fp32 supers). `vector=False` runs the plain loops
-    (the tests' reference)."""
+    (Q8_0: fp16 scales); with `supers` (fp32 x only): Q6_K, W[n, k] = supers[n, k/256] *
+    scales[n, k/16] * codes[n, k] (int8 scales, fp32 supers), or Q5_K, W[n, k] = d * sc * codes[n,
+    k] - dmin * m (uint8 scales [N, 2, K/32]: sc, m per 32 weights; fp32 supers [N, 2, K/256]: d,
+    dmin). `vector=False` runs the plain loops (the tests' reference)."""
     module = module_or_raise()
+    if supers is not None and scales.dtype == torch.uint8:
+        return module.q5k_gemv_f32(x, codes, scales, supers, vector)
     if supers is not None:
         return module.q6_gemv_f32(x, codes, scales, supers, vector)
     fn = module.q8_gemv_f32 if x.dtype == torch.float32 else module.q8_gemv

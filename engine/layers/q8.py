@@ -12,7 +12,9 @@ of rows and the dense form (oneDNN's in bf16) beyond.
 Q6_K (the LM head of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, and some of their layers' v and
 down projections) runs in the same loops: its 6-bit codes widened to int8 (q - 32), scaled per 16
 weights by an int8 factor times an fp16 one per 256 (kquant.py), 8.6 bits a weight instead of the
-dense fp32 head's 32. fp32 models only (the bf16 loops read Q8_0's scales alone).
+dense fp32 head's 32. Q5_K (Q5_K_M's layers) likewise: 5-bit codes as int8 with Q4_K's factored
+scale and offset per 32 weights, 8.6 bits. fp32 models only (the bf16 loops read Q8_0's scales
+alone). Q5_0 (codes q - 16, an fp16 d per 32) is Q8_0's form as it is.
 """
 
 from __future__ import annotations
@@ -30,33 +32,42 @@ Q6_GROUP = 16  # weights per Q6_K scale
 
 @dataclass
 class Q8Blocks:
-    """W[n, k] = scale[n, k // group_size] * q[n, k]: GGUF Q8_0 (groups of 32), or Q6_K (groups of
-    16, codes q - 32, scale = d * sc with the factors in `k`), unpacked."""
+    """W[n, k] = scale[n, g] * q[n, k] (+ offset[n, g]), g = k // group_size: GGUF Q8_0 (groups of
+    32) and Q5_0 (codes q - 16); Q6_K (groups of 16, codes q - 32, scale = d * sc with the factors
+    in `k`); Q5_K (groups of 32, codes 0..31, scale and offset factored as Q4_K's), unpacked."""
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K // group_size]
     group_size: int = cpu_quant.BLOCK
-    k: SuperScales | None = None  # Q6_K's factors of scale
+    k: SuperScales | None = None  # Q6_K's / Q5_K's factors of scale (and offset)
+    offset: torch.Tensor | None = None  # float32 [N, K // group_size]: Q5_K's -(dmin * m)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (exactly gguf's own dequantization)."""
         n, k = self.q.shape
         g = self.group_size
-        return (self.q.float().view(n, k // g, g) * self.scale.unsqueeze(-1)).view(n, k)
+        w = self.q.float().view(n, k // g, g) * self.scale.unsqueeze(-1)
+        if self.offset is not None:
+            w = w + self.offset.unsqueeze(-1)
+        return w.view(n, k)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q8Blocks:
         """The same weight with `fn` (a row permutation over dim 0) applied to every per-row array."""
         k = None if self.k is None else self.k.map_rows(fn)
-        return Q8Blocks(fn(self.q), fn(self.scale), self.group_size, k)
+        offset = None if self.offset is None else fn(self.offset)
+        return Q8Blocks(fn(self.q), fn(self.scale), self.group_size, k, offset)
 
     @staticmethod
     def cat(parts: list[Q8Blocks]) -> Q8Blocks:
-        """Rows concatenated, as the fused q|k|v and gate|up weights are."""
-        group = parts[0].group_size
-        if any(p.group_size != group for p in parts):
-            raise ValueError("cannot fuse 8-bit weights with different group sizes")
+        """Rows concatenated, as the fused q|k|v and gate|up weights are (blocks of one kind)."""
+        first = parts[0]
+        if any(p.group_size != first.group_size or (p.offset is None) != (first.offset is None) for p in parts):
+            raise ValueError("cannot fuse 8-bit weights of different group sizes or offsets")
         k = SuperScales.cat([p.k for p in parts])
-        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), group, k)
+        offsets = [p.offset for p in parts if p.offset is not None]
+        offset = torch.cat(offsets) if offsets else None
+        q, scale = torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts])
+        return Q8Blocks(q, scale, first.group_size, k, offset)
 
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> Q8Weight | None:
         """Our kernel's form for a model computing in `dtype`, or None where it does not apply (no
@@ -68,7 +79,12 @@ class Q8Blocks:
         if self.k is not None:
             if dtype != torch.float32 or k % cpu_quant.SUPER:
                 return None
-            return Q8Weight(self.q.contiguous(), self.k.sc.to(torch.int8).contiguous(), self.k.d.float().contiguous())
+            f = self.k
+            if f.m is not None and f.dmin is not None:  # Q5_K
+                small = torch.stack([f.sc, f.m], dim=1).to(torch.uint8).contiguous()
+                big = torch.stack([f.d, f.dmin], dim=1).float().contiguous()
+                return Q8Weight(self.q.contiguous(), small, big)
+            return Q8Weight(self.q.contiguous(), f.sc.to(torch.int8).contiguous(), f.d.float().contiguous())
         if self.group_size != cpu_quant.BLOCK or not cpu_quant.exact_in_fp16(self.scale):
             return None
         return Q8Weight(self.q.contiguous(), self.scale.to(torch.float16).contiguous())
@@ -76,8 +92,9 @@ class Q8Blocks:
 
 @dataclass
 class Q8Weight:
-    """Q8_0 blocks as our kernel reads them: int8 codes [N, K], fp16 scales [N, K // 32]; or Q6_K's:
-    int8 scales [N, K // 16] and `supers`, d [N, K // 256] (fp16 values, held in fp32)."""
+    """Q8_0 blocks as our kernel reads them: int8 codes [N, K], fp16 scales [N, K // 32]; Q6_K's:
+    int8 scales [N, K // 16] and `supers`, d [N, K // 256] (fp16 values, held in fp32); Q5_K's:
+    uint8 scales [N, 2, K // 32] (sc, m), supers [N, 2, K // 256] (d, dmin)."""
 
     codes: torch.Tensor
     scales: torch.Tensor

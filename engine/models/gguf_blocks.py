@@ -1,11 +1,14 @@
 """A GGUF tensor's quantized bytes as the block forms our kernels read (int4.py, q8.py).
 
 Which tensors keep their blocks (`blocks_of`): decoder-layer weight matrices in Q4_0, Q4_1, Q4_K,
-Q6_K or Q8_0, and a Q8_0 or Q6_K embedding or LM head (the head reads the embedding's blocks when
-tied). Everything else (Q5_*, the other K-quants, IQ*) loads dequantized only. llama.cpp's
-Q4_K_M, the file most people download, is Q4_K with Q6_K for the head and for some layers' v and
-down projections, so all of its matrices keep their blocks (a fused q|k|v whose parts differ in
-kind stays dense: linear.py fuses one kind only).
+Q5_0, Q5_K, Q6_K or Q8_0, and a Q8_0 or Q6_K embedding or LM head (the head reads the embedding's
+blocks when tied). Everything else (Q5_1, Q2_K, Q3_K, IQ*, ...) loads dequantized only.
+llama.cpp's Q4_K_M, the file most people download, is Q4_K with Q6_K for the head and for some
+layers' v and down projections (Q5_K_M: Q5_K with the same Q6_K tensors), so all of its matrices
+keep their blocks (a fused q|k|v whose parts differ in kind runs them side by side: linear.py
+QuantParts). fp32 models only for the K-quants (the 4-bit tiles' K form and the 8-bit loops'
+factored scales have no bf16 loops yet): a bf16 model runs Q4_K through torch's int4pack kernel
+(scales rounded to bf16, as its Q4_0 ones are) and keeps Q5_K and Q6_K dense.
 
 The byte layouts follow the `gguf` package's dequantization (gguf.quants), and each form's
 `dequantize()` equals gguf's to the bit (tests/test_gguf_kquants.py).
@@ -91,6 +94,35 @@ def q6k_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
     return Q8Blocks(torch.from_numpy(q), torch.from_numpy(scale), Q6_GROUP, factors)
 
 
+def q5k_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
+    """A Q5_K matrix's bytes: Q4_K's d, dmin and 6-bit (sc, m) pairs, then 32 bytes of fifth bits
+    (byte l's bit j: weight l of group j) and Q4_K's 128 bytes of low nibbles. w = d*sc*q -
+    dmin*m per group of 32, q 0..31, held as int8 codes."""
+    b, n, k = _rows(blocks, GGMLQuantizationType.Q5_K, shape)
+    supers = k // QK_K
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    sc, m = (t.reshape(n, supers * 8) for t in Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
+    qh = b[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    ql = b[..., 48:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = ((ql & np.uint8(0x0F)).reshape(n, supers, 8, 32) | ((qh & np.uint8(1)) << np.uint8(4))).astype(np.int8)
+    groups = np.repeat(np.arange(supers), 8)
+    scale = d[:, groups] * sc.astype(np.float32)  # exact, as Q4_K's
+    offset = -(dmin[:, groups] * m.astype(np.float32))
+    factors = SuperScales(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (d, sc, dmin, m)))
+    return Q8Blocks(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale), 32, factors, torch.from_numpy(offset))
+
+
+def q5_0_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
+    """A Q5_0 matrix's bytes: per 32 weights an fp16 d, 4 bytes of fifth bits (bit l: weight l),
+    16 bytes of low nibbles (byte j: weights j and j + 16). w = d*(q - 16): Q8_0's form."""
+    b, n, k = _rows(blocks, GGMLQuantizationType.Q5_0, shape)
+    high = np.ascontiguousarray(b[..., 2:6]).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [n, g, 32]
+    low = b[..., 6:].reshape(n, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (low & np.uint8(0x0F)).reshape(n, -1, 32) | ((high & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+    codes = (q.astype(np.int8) - np.int8(16)).reshape(n, k)
+    return Q8Blocks(torch.from_numpy(codes), torch.from_numpy(_half(b[..., 0:2])))
+
+
 def q8_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
     """A Q8_0 matrix's bytes: per 32 weights an fp16 scale d, then 32 int8 codes (w = d * q)."""
     b, n, k = _rows(blocks, GGMLQuantizationType.Q8_0, shape)
@@ -113,4 +145,8 @@ def blocks_of(
         return q6k_blocks(blocks, shape)
     if (layer or hf_name in _HEAD_NAMES) and qtype == GGMLQuantizationType.Q8_0:
         return q8_blocks(blocks, shape)
+    if layer and qtype == GGMLQuantizationType.Q5_K:
+        return q5k_blocks(blocks, shape)
+    if layer and qtype == GGMLQuantizationType.Q5_0:
+        return q5_0_blocks(blocks, shape)
     return None

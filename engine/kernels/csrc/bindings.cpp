@@ -28,6 +28,8 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
                           bool vectorized);
+torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
+                           bool vectorized);
 torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
@@ -70,6 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv_f32", &q4_gemv_f32, "fp32 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_gemv_f32", &q8_gemv_f32, "fp32 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
+  m.def("q5k_gemv_f32", &q5k_gemv_f32, "fp32 x [M, K] @ W.T, W in Q5_K's values (int8 codes, factored scales and mins)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("q6_gemv_f32", &q6_gemv_f32, "fp32 x [M, K] @ W.T, W in Q6_K's values (int8 codes, two-level scales)",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",

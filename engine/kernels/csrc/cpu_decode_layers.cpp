@@ -50,6 +50,8 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
 torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
                           bool vectorized);
+torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
+                           bool vectorized);
 torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 namespace asyncllm {
@@ -59,7 +61,8 @@ namespace {
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
                       const std::optional<torch::Tensor>& bias, int64_t tile_rows, int64_t small_rows) {
   const bool q8 = parts.size() > 1 && parts[0].scalar_type() == torch::kChar;  // 8-bit codes are int8
-  const bool q6 = q8 && parts[1].scalar_type() == torch::kChar;  // Q6_K: int8 scales, then its d
+  // Q6_K (int8 scales) and Q5_K (uint8 sc and m) have a third tensor, their d's
+  const bool q6 = q8 && (parts[1].scalar_type() == torch::kChar || parts[1].scalar_type() == torch::kByte);
   const size_t quant = q8 && !q6 ? 2 : 3;  // tensors of the quantized form
   TORCH_CHECK(parts.size() == 1 || parts.size() == quant || parts.size() == quant + 1,
               "a projection is (codes, scales[, offsets]), its dense weight, or both");
@@ -141,8 +144,9 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
-    if (w.q8 && w.offsets.defined())  // Q6_K (fp32 models only: cpu_quant.q6_gemv)
-      out = q6_gemv_f32(xc, w.codes, w.scales, w.offsets, true);
+    if (w.q8 && w.offsets.defined())  // Q6_K or Q5_K (fp32 models only: cpu_quant.q8_gemv)
+      out = w.scales.scalar_type() == torch::kByte ? q5k_gemv_f32(xc, w.codes, w.scales, w.offsets, true)
+                                                   : q6_gemv_f32(xc, w.codes, w.scales, w.offsets, true);
     else if (w.q8)
       out = f32 ? q8_gemv_f32(xc, w.codes, w.scales, true) : q8_gemv(xc, w.codes, w.scales, true);
     else

@@ -26,6 +26,9 @@
 // lane over the block (a product, then fused multiply-adds), scaled into the lane's accumulator by
 // the block's d; the lanes are summed in order at the end. The scalar loop keeps the same lanes.
 //
+// Q5_K, in the 8-bit loops: its 5-bit codes as int8 with Q4_K's factored scale and offset per 32
+// weights; the offsets times x's block sums (as the 4-bit loops') added after the lanes' sum.
+//
 // Q6_K, in the 8-bit loops: codes q - 32 as int8, a scale per 16 weights that is an int8 sc times
 // a d per 256 (the file's fp16, held in fp32; the product is exact), so each 16-weight block is
 // scaled as a Q8_0 block is.
@@ -280,10 +283,12 @@ inline vf load_codes(const int8_t* p) {
 struct Q8Scales {
   static constexpr int64_t kBlk = 32;
   static constexpr int64_t kRun = 1;  // blocks whose scales `fill` writes at once
+  static constexpr bool kOffsets = false;
   const fp16* s;
   int64_t nb;
   float at(int64_t n, int64_t b) const { return static_cast<float>(s[n * nb + b]); }
-  void fill(int64_t n, int64_t b0, float* out) const { out[0] = at(n, b0); }
+  float off(int64_t, int64_t) const { return 0.0f; }
+  void fill(int64_t n, int64_t b0, float* out, float*) const { out[0] = at(n, b0); }
 };
 
 // d is kept in fp32 (its exact fp16 value) and a super-block's 16 scales are made by two vector
@@ -292,11 +297,13 @@ struct Q8Scales {
 struct Q6Scales {
   static constexpr int64_t kBlk = 16;
   static constexpr int64_t kRun = 16;  // blocks per d
+  static constexpr bool kOffsets = false;
   const int8_t* sc;
   const float* d;
   int64_t nb;
   float at(int64_t n, int64_t b) const { return d[n * (nb / kRun) + b / kRun] * static_cast<float>(sc[n * nb + b]); }
-  void fill(int64_t n, int64_t b0, float* out) const {
+  float off(int64_t, int64_t) const { return 0.0f; }
+  void fill(int64_t n, int64_t b0, float* out, float*) const {
     const vf dv = native::broadcast(d[n * (nb / kRun) + b0 / kRun]);
     for (int64_t v = 0; v < kRun; v += kW) {
       const vf prod = dv * load_codes(sc + n * nb + b0 + v);  // exact: an fp16 value times an int8
@@ -305,13 +312,39 @@ struct Q6Scales {
   }
 };
 
+// Q5_K: codes 0..31 as int8, per 32 weights scale = d * sc and offset = -(dmin * m) (as Q4_K),
+// sc and m uint8 [N, 2, K/32], d and dmin fp32 [N, 2, K/256]. The offsets meet x's block sums, one
+// scalar product per block and row, added to the row's sum after its lanes.
+struct Q5KScales {
+  static constexpr int64_t kBlk = 32;
+  static constexpr int64_t kRun = 8;  // blocks per d
+  static constexpr bool kOffsets = true;
+  const uint8_t* sm;
+  const float* dd;
+  int64_t nb;
+  float at(int64_t n, int64_t b) const {
+    return dd[n * 2 * (nb / kRun) + b / kRun] * static_cast<float>(sm[n * 2 * nb + b]);
+  }
+  float off(int64_t n, int64_t b) const {
+    return -(dd[n * 2 * (nb / kRun) + nb / kRun + b / kRun] * static_cast<float>(sm[n * 2 * nb + nb + b]));
+  }
+  void fill(int64_t n, int64_t b0, float* out, float* offs) const {
+    for (int64_t i = 0; i < kRun; ++i) {
+      out[i] = at(n, b0 + i);
+      offs[i] = off(n, b0 + i);
+    }
+  }
+};
+
+// sx: x's block sums (block_sums), read where S has offsets
 template <class S>
-void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc, float* y,
-                   int64_t n_total, int64_t n) {
+void q8_row_scalar(const float* x, const float* sx, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc,
+                   float* y, int64_t n_total, int64_t n) {
   constexpr int64_t kBlk = S::kBlk, kLanes = kBlk / kW;
   const int64_t nb = k / kBlk;
   for (int64_t m = 0; m < m_rows; ++m) {
     float acc[kW] = {};
+    float offset = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* c = codes + n * k + b * kBlk;
       const float* xb = x + m * k + b * kBlk;
@@ -321,25 +354,31 @@ void q8_row_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* code
         for (int64_t v = 1; v < kLanes; ++v) s = std::fma(static_cast<float>(c[v * kW + l]), xb[v * kW + l], s);
         acc[l] = std::fma(s, d, acc[l]);
       }
+      if constexpr (S::kOffsets) offset = std::fma(sc.off(n, b), sx[m * nb + b], offset);
     }
     float sum = acc[0];
     for (int64_t l = 1; l < kW; ++l) sum += acc[l];
-    y[m * n_total + n] = sum;
+    y[m * n_total + n] = S::kOffsets ? sum + offset : sum;
   }
 }
 
 template <int M, int R, class S>
-void q8_tile(const float* x, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total, int64_t n) {
+void q8_tile(const float* x, const float* sx, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total,
+             int64_t n) {
   constexpr int64_t kBlk = S::kBlk, kLanes = kBlk / kW;
   const int64_t nb = k / kBlk;
   vf acc[M][R];
+  float offset[M][R] = {};
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = native::broadcast(0.0f);
-  float scales[R][S::kRun];
+  float scales[R][S::kRun], offs[R][S::kRun];
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t run = b % S::kRun;
     if (run == 0)
-      for (int r = 0; r < R; ++r) sc.fill(n + r, b, scales[r]);
+      for (int r = 0; r < R; ++r) sc.fill(n + r, b, scales[r], offs[r]);
+    if constexpr (S::kOffsets)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) offset[m][r] = std::fma(offs[r][run], sx[m * nb + b], offset[m][r]);
     vf w[R][kLanes], d[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* p = codes + (n + r) * k + b * kBlk;
@@ -358,26 +397,29 @@ void q8_tile(const float* x, int64_t k, const int8_t* codes, const S& sc, float*
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * n_total + n + r] = native::hsum(acc[m][r]);
+    for (int r = 0; r < R; ++r) {
+      const float sum = native::hsum(acc[m][r]);
+      y[m * n_total + n + r] = S::kOffsets ? sum + offset[m][r] : sum;
+    }
 }
 
 template <int M, class S>
-void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total, int64_t n0,
-               int64_t n1) {
+void q8_rows_m(const float* x, const float* sx, int64_t k, const int8_t* codes, const S& sc, float* y,
+               int64_t n_total, int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 4 : 2;  // output rows per pass: their codes and M x R accumulators in registers
   int64_t n = n0;
-  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, sc, y, n_total, n);
-  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, sc, y, n_total, n);
+  for (; n + R <= n1; n += R) q8_tile<M, R>(x, sx, k, codes, sc, y, n_total, n);
+  for (; n < n1; ++n) q8_tile<M, 1>(x, sx, k, codes, sc, y, n_total, n);
 }
 
 template <class S>
-void q8_group(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc, float* y, int64_t n_total,
-              int64_t n0, int64_t n1) {
+void q8_group(const float* x, const float* sx, int64_t m_rows, int64_t k, const int8_t* codes, const S& sc, float* y,
+              int64_t n_total, int64_t n0, int64_t n1) {
   switch (m_rows) {
-    case 1: return q8_rows_m<1>(x, k, codes, sc, y, n_total, n0, n1);
-    case 2: return q8_rows_m<2>(x, k, codes, sc, y, n_total, n0, n1);
-    case 3: return q8_rows_m<3>(x, k, codes, sc, y, n_total, n0, n1);
-    default: return q8_rows_m<kGroup>(x, k, codes, sc, y, n_total, n0, n1);
+    case 1: return q8_rows_m<1>(x, sx, k, codes, sc, y, n_total, n0, n1);
+    case 2: return q8_rows_m<2>(x, sx, k, codes, sc, y, n_total, n0, n1);
+    case 3: return q8_rows_m<3>(x, sx, k, codes, sc, y, n_total, n0, n1);
+    default: return q8_rows_m<kGroup>(x, sx, k, codes, sc, y, n_total, n0, n1);
   }
 }
 
@@ -395,18 +437,25 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
 // y [M, N] = x [M, K] @ W.T, 8-bit codes [N, K] with `sc`'s scales
 template <class S>
 torch::Tensor q8_form_gemv(const torch::Tensor& x, const torch::Tensor& codes, const S& sc, bool vectorized) {
-  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0);
+  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0), nb = k / kBlock;
   auto y = torch::empty({rows, n}, x.options());
   const auto* cp = codes.data_ptr<int8_t>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  std::vector<float> sx;
+  if constexpr (S::kOffsets) {
+    static_assert(S::kBlk == kBlock, "offsets meet 32-wide block sums");
+    sx.resize(rows * nb);
+    block_sums(xp, rows, k, sx.data());
+  }
   auto task = [&](int64_t n0, int64_t n1) {  // a task's rows (~64 KB) stay in L2 across groups
     for (int64_t m0 = 0; m0 < rows; m0 += kGroup) {
       const int64_t m_rows = std::min<int64_t>(kGroup, rows - m0);
+      const float* sxm = sx.empty() ? nullptr : sx.data() + m0 * nb;
       if (vectorized && kVectorized)
-        q8_group(xp + m0 * k, m_rows, k, cp, sc, yp + m0 * n, n, n0, n1);
+        q8_group(xp + m0 * k, sxm, m_rows, k, cp, sc, yp + m0 * n, n, n0, n1);
       else
-        for (int64_t r = n0; r < n1; ++r) q8_row_scalar(xp + m0 * k, m_rows, k, cp, sc, yp + m0 * n, n, r);
+        for (int64_t r = n0; r < n1; ++r) q8_row_scalar(xp + m0 * k, sxm, m_rows, k, cp, sc, yp + m0 * n, n, r);
     }
   };
   at::parallel_for(0, n, grain(k), task);
@@ -502,4 +551,21 @@ torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
               "q6_gemv_f32: fp32 d [N, K/256]");
   check_x(x, k, "q6_gemv_f32");
   return q8_form_gemv(x, codes, Q6Scales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), nb}, vectorized);
+}
+
+// y [M, N] fp32 = x [M, K] @ W.T, W = Q5_K's values as codes int8 [N, K] (0..31), sc and m uint8
+// [N, 2, K/32], d and dmin fp32 [N, 2, K/256]: W[n, k] = d * sc * codes - dmin * m per 32 weights.
+torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
+                           bool vectorized) {
+  check_codes8(codes, "q5k_gemv_f32");
+  const int64_t n = codes.size(0), k = codes.size(1), nb = k / Q5KScales::kBlk;
+  TORCH_CHECK(k % (Q5KScales::kBlk * Q5KScales::kRun) == 0, "q5k_gemv_f32: K must be a multiple of 256");
+  TORCH_CHECK(scales.scalar_type() == torch::kByte && scales.is_contiguous() &&
+                  scales.sizes() == torch::IntArrayRef({n, 2, nb}),
+              "q5k_gemv_f32: uint8 sc and m [N, 2, K/32]");
+  TORCH_CHECK(supers.scalar_type() == torch::kFloat && supers.is_contiguous() &&
+                  supers.sizes() == torch::IntArrayRef({n, 2, nb / Q5KScales::kRun}),
+              "q5k_gemv_f32: fp32 d and dmin [N, 2, K/256]");
+  check_x(x, k, "q5k_gemv_f32");
+  return q8_form_gemv(x, codes, Q5KScales{scales.data_ptr<uint8_t>(), supers.data_ptr<float>(), nb}, vectorized);
 }

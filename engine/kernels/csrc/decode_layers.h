@@ -10,13 +10,13 @@
 namespace asyncllm {
 
 // One projection: its quantized form (cpu_quant_gemv.cpp's tiled 4-bit layout, fp16 or K-form
-// scales; Q8_0 blocks when `q8`, Q6_K's when `q8` with offsets, its per-256 d) for inputs of at most q4_rows rows, its dense weight for more: bf16 prepacked for
+// scales; Q8_0 blocks when `q8`, Q6_K's or Q5_K's when `q8` with offsets, their per-256 d's) for inputs of at most q4_rows rows, its dense weight for more: bf16 prepacked for
 // oneDNN (engine/layers/linear.py OneDNNLinear), or fp32 as it is (DenseLinear: 1..small_rows
 // rows through cpu_gemv.cpp's loop, more through at::linear). Either may be missing (undefined
 // tensors): a dense-only model has q4_rows 0, a projection with no dense form serves at most
 // q4_rows rows.
 struct Projection {
-  torch::Tensor codes, scales, offsets;  // offsets: 4-bit, or Q6_K's d
+  torch::Tensor codes, scales, offsets;  // offsets: 4-bit, or Q6_K's / Q5_K's d's
   bool q8 = false;
   torch::Tensor dense;
   torch::Tensor bias;  // undefined: none (Qwen2 has q|k|v biases)
@@ -70,7 +70,8 @@ class DecodeLayers {
  public:
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling);
   // Each projection's parts: (codes uint8, scales, offsets) for a 4-bit form, (codes int8,
-  // scales) for a Q8_0 one or (codes int8, scales int8, d) for a Q6_K one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
+  // scales) for a Q8_0 one, (codes int8, scales int8, d) for a Q6_K one or (codes int8, sc|m
+  // uint8, d|dmin) for a Q5_K one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
   // tensors); q4_rows bounds the quantized form's inputs.
   // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
   // layer's q/k norm table, or None; tile_rows: every dense projection's row tile (0: none);
