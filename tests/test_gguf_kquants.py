@@ -30,6 +30,7 @@ from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4k_blocks, q5_0_blocks, q5k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
+from tests.test_loader import gguf_name
 from tests.test_model_families import NO_SPECIAL, VOCAB, assert_scheduler_matches_transformers, family_args
 
 Q4_K, Q5_K, Q6_K, Q5_0 = (GGMLQuantizationType[t] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0"))
@@ -150,15 +151,7 @@ SHAPE = dict(
     tie_word_embeddings=False,
     **NO_SPECIAL,
 )
-LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+PROJECTIONS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(f"mlp.{p}_proj" for p in ("gate", "up", "down"))
 
 
 def layer_type(layer: int, proj: str, base: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -193,12 +186,13 @@ def write_kquant_gguf(
     for i in range(cfg.num_hidden_layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.5, 1.5, cfg.hidden_size).astype(np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, cfg.hidden_size).astype(np.float32))
-        for hf, name in LAYER_NAMES.items():
-            n, k = sd[f"model.layers.{i}.{hf}.weight"].shape
-            qtype = layer_type(i, hf, base)
-            w.add_tensor(f"blk.{i}.{name}.weight", kquant_bytes(qtype, n, k, rng), raw_dtype=qtype)
-            if f"model.layers.{i}.{hf}.bias" in sd:
-                w.add_tensor(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, n).astype(np.float32))
+        for proj in PROJECTIONS:
+            module = f"model.layers.{i}.{proj}"
+            n, k = sd[f"{module}.weight"].shape
+            qtype = layer_type(i, proj, base)
+            w.add_tensor(gguf_name(f"{module}.weight"), kquant_bytes(qtype, n, k, rng), raw_dtype=qtype)
+            if f"{module}.bias" in sd:
+                w.add_tensor(gguf_name(f"{module}.bias"), rng.normal(0, 0.5, n).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

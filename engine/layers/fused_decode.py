@@ -89,7 +89,7 @@ EVERY_ROW = 2**62  # a quantized form's row bound that no forward reaches
 
 def _block_parts(packed: TiledQ4Weight | Q8Weight) -> list[torch.Tensor]:
     """A block form's tensors as the loop takes them: 4-bit tiles (codes, scales, offsets), Q8_0
-    (int8 codes, scales) or Q6_K (int8 codes, int8 scales, d)."""
+    (int8 codes, scales), Q6_K (int8 codes, int8 scales, d) or Q5_K (int8 codes, sc|m, d|dmin)."""
     if isinstance(packed, TiledQ4Weight):
         return [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
     return [packed.codes, packed.scales] + ([] if packed.supers is None else [packed.supers])
