@@ -1,6 +1,6 @@
-"""The two-level scales of llama.cpp's K-quants (Q4_K, Q6_K), kept as factors for our kernels.
+"""The two-level scales of llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), kept as factors for our kernels.
 
-A K-quant stores each small group's scale (and, for Q4_K, its minimum) as a small integer `sc`
+A K-quant stores each small group's scale (and, for Q4_K and Q5_K, its minimum) as a small integer `sc`
 (`m`) and each 256 weights' fp16 `d` (`dmin`): scale = d * sc, offset = -(dmin * m). The products
 are exact in fp32 but not in fp16, so the 4-bit kernel's fp16-scale form (int4.py `Q4Blocks.pack`)
 cannot hold them; the kernels' K forms (engine/kernels/cpu_quant.py `q4k_pack`, `q8_gemv` with
@@ -20,10 +20,10 @@ import torch
 @dataclass
 class SuperScales:
     """scale[n, g] = d[n, g // per] * sc[n, g]; offset[n, g] = -(dmin[n, g // per] * m[n, g]) (Q4_K
-    only), with `per` groups in 256 weights."""
+    and Q5_K only), with `per` groups in 256 weights."""
 
     d: torch.Tensor  # float32 [N, K // 256], fp16 values
-    sc: torch.Tensor  # uint8 (Q4_K, 0..63) or int8 (Q6_K) [N, K // group]
+    sc: torch.Tensor  # uint8 (Q4_K, Q5_K: 0..63) or int8 (Q6_K) [N, K // group]
     dmin: torch.Tensor | None = None  # float32 [N, K // 256], fp16 values
     m: torch.Tensor | None = None  # uint8 [N, K // group], 0..63
 

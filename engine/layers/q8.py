@@ -13,7 +13,7 @@ Q6_K (the LM head of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, and some of thei
 down projections) runs in the same loops: its 6-bit codes widened to int8 (q - 32), scaled per 16
 weights by an int8 factor times an fp16 one per 256 (kquant.py), 8.6 bits a weight instead of the
 dense fp32 head's 32. Q5_K (Q5_K_M's layers) likewise: 5-bit codes as int8 with Q4_K's factored
-scale and offset per 32 weights, 8.6 bits. fp32 models only (the bf16 loops read Q8_0's scales
+scale and offset per 32 weights, 8.75 bits. fp32 models only (the bf16 loops read Q8_0's scales
 alone). Q5_0 (codes q - 16, an fp16 d per 32) is Q8_0's form as it is.
 """
 

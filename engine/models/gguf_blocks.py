@@ -60,21 +60,29 @@ def q4_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
     return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), GGML_QUANT_SIZES[qtype][0])
 
 
+def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, SuperScales]:
+    """Q4_K's and Q5_K's scales from their blocks' rows `b` [n, supers, bytes] (fp16 d and dmin,
+    then 12 bytes of eight 6-bit (sc, m) pairs): each group of 32's exact scale d*sc and offset
+    -(dmin*m), and the factors."""
+    n, supers = b.shape[:2]
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [n, supers]
+    sc, m = (t.reshape(n, supers * 8) for t in Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
+    groups = np.repeat(np.arange(supers), 8)  # each group's super-block
+    scale = d[:, groups] * sc.astype(np.float32)  # exact: an fp16 times a 6-bit integer
+    offset = -(dmin[:, groups] * m.astype(np.float32))
+    factors = SuperScales(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (d, sc, dmin, m)))
+    return torch.from_numpy(scale), torch.from_numpy(offset), factors
+
+
 def q4k_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q4Blocks:
     """A Q4_K matrix's bytes: per 256 weights fp16 d and dmin, 12 bytes of eight 6-bit (sc, m)
     pairs, then 128 bytes of codes, 64 weights per 32 bytes (low nibbles the first 32, high the
     next). w = d*sc*q - dmin*m per group of 32."""
     b, n, k = _rows(blocks, GGMLQuantizationType.Q4_K, shape)
-    supers = k // QK_K
-    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [n, supers]
-    sc, m = (t.reshape(n, supers * 8) for t in Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
-    qs = b[..., 16:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qs = b[..., 16:].reshape(n, k // QK_K, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     q = (qs & np.uint8(0x0F)).reshape(n, k)
-    groups = np.repeat(np.arange(supers), 8)  # each group's super-block
-    scale = d[:, groups] * sc.astype(np.float32)  # exact: an fp16 times a 6-bit integer
-    offset = -(dmin[:, groups] * m.astype(np.float32))
-    factors = SuperScales(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (d, sc, dmin, m)))
-    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(offset), 32, factors)
+    scale, offset, factors = _k_scales(b)
+    return Q4Blocks(torch.from_numpy(q), scale, offset, 32, factors)
 
 
 def q6k_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
@@ -100,16 +108,11 @@ def q5k_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:
     dmin*m per group of 32, q 0..31, held as int8 codes."""
     b, n, k = _rows(blocks, GGMLQuantizationType.Q5_K, shape)
     supers = k // QK_K
-    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
-    sc, m = (t.reshape(n, supers * 8) for t in Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
     qh = b[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     ql = b[..., 48:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     q = ((ql & np.uint8(0x0F)).reshape(n, supers, 8, 32) | ((qh & np.uint8(1)) << np.uint8(4))).astype(np.int8)
-    groups = np.repeat(np.arange(supers), 8)
-    scale = d[:, groups] * sc.astype(np.float32)  # exact, as Q4_K's
-    offset = -(dmin[:, groups] * m.astype(np.float32))
-    factors = SuperScales(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (d, sc, dmin, m)))
-    return Q8Blocks(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale), 32, factors, torch.from_numpy(offset))
+    scale, offset, factors = _k_scales(b)
+    return Q8Blocks(torch.from_numpy(q.reshape(n, k)), scale, 32, factors, offset)
 
 
 def q5_0_blocks(blocks: np.ndarray, shape: tuple[int, ...]) -> Q8Blocks:

@@ -22,6 +22,7 @@ Every implementation choice is made before the first forward, never inside one:
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -307,13 +308,9 @@ class LlamaForCausalLM(nn.Module):
                 return
             # consecutive parts of one kind fuse; kinds that differ (Q4_K_M's Q4_K q|k, Q6_K v)
             # run side by side
-            runs: list[list[Q4Blocks | Q8Blocks]] = []
-            for b in ordered:
-                kind = (type(b), b.group_size, b.k is None)
-                if runs and (type(runs[-1][0]), runs[-1][0].group_size, runs[-1][0].k is None) == kind:
-                    runs[-1].append(b)
-                else:
-                    runs.append([b])
+            runs = [
+                list(run) for _, run in itertools.groupby(ordered, key=lambda b: (type(b), b.group_size, b.k is None))
+            ]
             dtype = self.embed_tokens.weight.dtype
             forms = [type(run[0]).cat(run).pack(dtype) for run in runs]
             if len(forms) == 1 and forms[0] is not None:

@@ -83,10 +83,6 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   return p;
 }
 
-Projection projection_of(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
-  return projection(parts, out_features, q4_rows, std::nullopt, 0, 0);
-}
-
 // mkldnn::_linear_pointwise on a prepacked weight (and its bias) with no fused op: the call
 // OneDNNLinear.forward makes, through the dispatcher, so both paths run the same kernel.
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
@@ -201,19 +197,19 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
                                 v_buffer});
 }
 
-void DecodeLayers::set_pieces(int64_t layer, int64_t projection, std::vector<std::vector<torch::Tensor>> pieces,
+void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vector<torch::Tensor>> pieces,
                               std::vector<int64_t> piece_out, int64_t q4_rows) {
-  TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < 4, "pieces: layer or projection");
+  TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= which && which < 4, "pieces: layer or projection");
   TORCH_CHECK(!pieces.empty() && pieces.size() == piece_out.size(), "pieces: one output width per piece");
   DecodeLayer& l = layers_[layer];
-  Projection& p = projection == 0 ? l.qkv : projection == 1 ? l.o : projection == 2 ? l.gate_up : l.down;
+  Projection& p = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
   TORCH_CHECK(!p.codes.defined(), "pieces: the projection has one quantized form already");
   int64_t total = 0;
   p.pieces.clear();
   for (size_t i = 0; i < pieces.size(); ++i) {
     TORCH_CHECK(pieces[i].size() == 2 || pieces[i].size() == 3, "pieces: each a quantized form only");
     // every row count that reaches a piece runs its blocks (the bound is the projection's)
-    p.pieces.push_back(projection_of(pieces[i], piece_out[i], std::numeric_limits<int64_t>::max()));
+    p.pieces.push_back(projection(pieces[i], piece_out[i], std::numeric_limits<int64_t>::max(), std::nullopt, 0, 0));
     total += piece_out[i];
   }
   TORCH_CHECK(total == p.out_features, "pieces: their outputs must add up to the projection's");

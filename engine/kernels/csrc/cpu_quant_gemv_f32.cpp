@@ -287,7 +287,6 @@ struct Q8Scales {
   const fp16* s;
   int64_t nb;
   float at(int64_t n, int64_t b) const { return static_cast<float>(s[n * nb + b]); }
-  float off(int64_t, int64_t) const { return 0.0f; }
   void fill(int64_t n, int64_t b0, float* out, float*) const { out[0] = at(n, b0); }
 };
 
@@ -302,7 +301,6 @@ struct Q6Scales {
   const float* d;
   int64_t nb;
   float at(int64_t n, int64_t b) const { return d[n * (nb / kRun) + b / kRun] * static_cast<float>(sc[n * nb + b]); }
-  float off(int64_t, int64_t) const { return 0.0f; }
   void fill(int64_t n, int64_t b0, float* out, float*) const {
     const vf dv = native::broadcast(d[n * (nb / kRun) + b0 / kRun]);
     for (int64_t v = 0; v < kRun; v += kW) {
