@@ -123,7 +123,7 @@ def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
     int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
     assert all(p.max_rows == rows for p in int4) and len(int4) == (len(_projections(runner.model)) if rows else 0)
     # A machine where the int4 kernel never wins keeps no int4 form at all.
-    monkeypatch.setattr(llama, "measure_int4_crossover", lambda linears: 0)
+    monkeypatch.setattr(llama, "measure_int4_crossover", lambda linears, dtype=None: 0)
     runner = _runner(default_source, dtype="bfloat16")
     assert runner.q4_max_tokens == 0 and all(type(p) is OneDNNLinear for p in _projections(runner.model))
 
