@@ -13,8 +13,9 @@ Q6_K (the LM head of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, and some of thei
 down projections) runs in the same loops: its 6-bit codes widened to int8 (q - 32), scaled per 16
 weights by an int8 factor times an fp16 one per 256 (kquant.py), 8.6 bits a weight instead of the
 dense fp32 head's 32. Q5_K (Q5_K_M's layers) likewise: 5-bit codes as int8 with Q4_K's factored
-scale and offset per 32 weights, 8.75 bits. fp32 models only (the bf16 loops read Q8_0's scales
-alone). Q5_0 (codes q - 16, an fp16 d per 32) is Q8_0's form as it is.
+scale and offset per 32 weights, 8.75 bits. Both run the fp32 loops, for bf16 models too (their x
+widened, the result rounded once: the bf16 loops read Q8_0's scales alone). Q5_0 (codes q - 16, an
+fp16 d per 32) is Q8_0's form as it is.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ class Q8Blocks:
 
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> Q8Weight | None:
         """Our kernel's form for a model computing in `dtype`, or None where it does not apply (no
-        vectorized build for that dtype, K not a multiple of 64 (Q6_K: 256), scales not fp16,
-        Q6_K with bf16 activations)."""
+        vectorized build for that dtype, K not a multiple of 64 (Q6_K, Q5_K: 256), scales not fp16).
+        Q6_K and Q5_K run fp32 loops for both dtypes: a bf16 model's x is widened and the result
+        rounded once."""
         k = self.q.shape[1]
-        if not (cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0):
-            return None
         if self.k is not None:
-            if dtype != torch.float32 or k % cpu_quant.SUPER:
+            fp32_loops = dtype in (torch.float32, torch.bfloat16) and cpu_quant.vectorized(torch.float32)
+            if not fp32_loops or k % cpu_quant.SUPER:
                 return None
             f = self.k
             if f.m is not None and f.dmin is not None:  # Q5_K
@@ -85,6 +86,8 @@ class Q8Blocks:
                 big = torch.stack([f.d, f.dmin], dim=1).float().contiguous()
                 return Q8Weight(self.q.contiguous(), small, big)
             return Q8Weight(self.q.contiguous(), f.sc.to(torch.int8).contiguous(), f.d.float().contiguous())
+        if not (cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0):
+            return None
         if self.group_size != cpu_quant.BLOCK or not cpu_quant.exact_in_fp16(self.scale):
             return None
         return Q8Weight(self.q.contiguous(), self.scale.to(torch.float16).contiguous())

@@ -6,9 +6,9 @@ blocks when tied). Everything else (Q5_1, Q2_K, Q3_K, IQ*, ...) loads dequantize
 llama.cpp's Q4_K_M, the file most people download, is Q4_K with Q6_K for the head and for some
 layers' v and down projections (Q5_K_M: Q5_K with the same Q6_K tensors), so all of its matrices
 keep their blocks (a fused q|k|v whose parts differ in kind runs them side by side: linear.py
-QuantParts). fp32 models only for the K-quants (the 4-bit tiles' K form and the 8-bit loops'
-factored scales have no bf16 loops yet): a bf16 model runs Q4_K through torch's int4pack kernel
-(scales rounded to bf16, as its Q4_0 ones are) and keeps Q5_K and Q6_K dense.
+QuantParts). The K-quants' forms (the 4-bit tiles' K form, the 8-bit loops' factored scales) have
+fp32 loops only: a bf16 model runs them on its activations widened to fp32, each result rounded to
+bf16 once.
 
 The byte layouts follow the `gguf` package's dequantization (gguf.quants), and each form's
 `dequantize()` equals gguf's to the bit (tests/test_gguf_kquants.py).

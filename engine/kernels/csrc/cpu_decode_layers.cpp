@@ -140,7 +140,7 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
-    if (w.q8 && w.offsets.defined())  // Q6_K or Q5_K (fp32 models only: cpu_quant.q8_gemv)
+    if (w.q8 && w.offsets.defined())  // Q6_K or Q5_K (a bf16 x runs their fp32 loops: cpu_quant.q8_gemv)
       out = w.scales.scalar_type() == torch::kByte ? q5k_gemv_f32(xc, w.codes, w.scales, w.offsets, true)
                                                    : q6_gemv_f32(xc, w.codes, w.scales, w.offsets, true);
     else if (w.q8)

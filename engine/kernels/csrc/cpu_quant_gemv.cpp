@@ -22,9 +22,10 @@
 // 8-bit layout: the Q8_0 codes int8 [N, K] and fp16 scales [N, K/32]: each 16 codes widen to
 // int32, convert to fp32 exactly and meet x (fp32) in an FMA; one more FMA applies the block scale.
 //
-// Both accumulate in fp32 and round the result to bf16 once. Without AVX512-BF16 (q4) or AVX-512
-// (q8) the same arithmetic runs as plain loops: correct everywhere, fast where the engine uses it
-// (`quant_gemv_vectorized()` tells the Python side which).
+// Both accumulate in fp32 and round the result to bf16 once. Q4_K's K form (uint8 scales) runs
+// the fp32 loops on x widened (cpu_quant_gemv_f32.cpp), rounded to bf16 the same way. Without
+// AVX512-BF16 (q4) or AVX-512 (q8) the same arithmetic runs as plain loops: correct everywhere,
+// fast where the engine uses it (`quant_gemv_vectorized()` tells the Python side which).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -38,6 +39,10 @@
 
 using bf16 = c10::BFloat16;
 using fp16 = c10::Half;
+
+// cpu_quant_gemv_f32.cpp: takes a bf16 x for the K form, returning bf16
+torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out, bool vectorized);
 
 namespace {
 
@@ -292,6 +297,8 @@ bool quant_gemv_vectorized() { return kQ4Vectorized && kQ8Vectorized; }
 // scales and offsets [T, K/32, 16] (T = ceil(n_out / 16) tiles; rows past n_out are padding).
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized) {
+  if (scales.scalar_type() == torch::kByte)  // Q4_K's K form: the fp32 loops (cpu_quant_gemv_f32.cpp)
+    return q4_gemv_f32(x, codes, scales, offsets, n_out, vectorized);
   check_q4(x, codes, scales, offsets, n_out, "q4_gemv");
   const int64_t tiles = codes.size(0), k = codes.size(1) * kBlock, rows = x.size(0);
   auto y = torch::empty({rows, n_out}, x.options());

@@ -33,6 +33,11 @@
 // a d per 256 (the file's fp16, held in fp32; the product is exact), so each 16-weight block is
 // scaled as a Q8_0 block is.
 //
+// bf16 models: the K forms (Q4_K, Q5_K, Q6_K) have no loops of their own for bf16 activations.
+// Their entry points here take a bf16 x too: it widens to fp32 (exact), the fp32 loops run, and
+// the result is rounded to bf16 once, as the bf16 loops of cpu_quant_gemv.cpp round theirs. The
+// extra conversions touch M x K and M x N values, nothing beside the weights' read.
+//
 // Every result is a function of its own row of x (no count of rows, position or thread count
 // changes it), and every multiply-add is written out (native::fmadd, std::fma): the compiler's
 // contraction cannot give two copies of a loop two roundings.
@@ -460,6 +465,13 @@ torch::Tensor q8_form_gemv(const torch::Tensor& x, const torch::Tensor& codes, c
   return y;
 }
 
+// A K form's product for a bf16 x: the fp32 loops on x widened, the result rounded to bf16 once.
+template <typename Fn>
+torch::Tensor through_fp32(const torch::Tensor& x, Fn&& fp32_product) {
+  if (x.scalar_type() != torch::kBFloat16) return fp32_product(x);
+  return fp32_product(x.to(torch::kFloat)).to(torch::kBFloat16);
+}
+
 void check_codes8(const torch::Tensor& codes, const char* op) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
                   codes.dim() == 2,
@@ -501,6 +513,10 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                       t->size(1) == nb && t->size(2) == kTile,
                   "q4_gemv_f32: fp16 scales and offsets [T, K/32, 16]");
   }
+  if (k_form && x.scalar_type() == torch::kBFloat16)
+    return through_fp32(x, [&](const torch::Tensor& xf) {
+      return q4_gemv_f32(xf, codes, scales, offsets, n_out, vectorized);
+    });
   check_x(x, k, "q4_gemv_f32");
   auto y = torch::empty({rows, n_out}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
@@ -547,8 +563,10 @@ torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   TORCH_CHECK(supers.scalar_type() == torch::kFloat && supers.is_contiguous() &&
                   supers.sizes() == torch::IntArrayRef({n, nb / Q6Scales::kRun}),
               "q6_gemv_f32: fp32 d [N, K/256]");
-  check_x(x, k, "q6_gemv_f32");
-  return q8_form_gemv(x, codes, Q6Scales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), nb}, vectorized);
+  return through_fp32(x, [&](const torch::Tensor& xf) {
+    check_x(xf, k, "q6_gemv_f32");
+    return q8_form_gemv(xf, codes, Q6Scales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), nb}, vectorized);
+  });
 }
 
 // y [M, N] fp32 = x [M, K] @ W.T, W = Q5_K's values as codes int8 [N, K] (0..31), sc and m uint8
@@ -564,6 +582,8 @@ torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(supers.scalar_type() == torch::kFloat && supers.is_contiguous() &&
                   supers.sizes() == torch::IntArrayRef({n, 2, nb / Q5KScales::kRun}),
               "q5k_gemv_f32: fp32 d and dmin [N, 2, K/256]");
-  check_x(x, k, "q5k_gemv_f32");
-  return q8_form_gemv(x, codes, Q5KScales{scales.data_ptr<uint8_t>(), supers.data_ptr<float>(), nb}, vectorized);
+  return through_fp32(x, [&](const torch::Tensor& xf) {
+    check_x(xf, k, "q5k_gemv_f32");
+    return q8_form_gemv(xf, codes, Q5KScales{scales.data_ptr<uint8_t>(), supers.data_ptr<float>(), nb}, vectorized);
+  });
 }
