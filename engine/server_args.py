@@ -107,8 +107,9 @@ class ServerArgs:
     torchao_config: str = ""
     # SGLang's batch-invariant mode: a request's logits are bit-identical whatever else is in the
     # batch, however its prompt was chunked, with or without a radix hit. Every projection runs
-    # dense in fixed row tiles (engine/layers/linear.py `BatchInvariantLinear`; no int4 path; the
-    # fused decode loop on decode's tiles), no cascade attention, extends on every thread.
+    # dense in fixed row tiles, or in decode-like forwards its GGUF blocks at every row count where
+    # their loops are batch-invariant (engine/layers/linear.py `BatchInvariantLinear`, `RowTiles`;
+    # no row-bounded int4 path), no cascade attention, extends on every thread.
     enable_deterministic_inference: bool = False
     # SGLang's watchdog: a forward still running after this many seconds means a hung device (or
     # kernel): every thread's stack is logged, its requests fail, the engine turns unhealthy (the

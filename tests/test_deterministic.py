@@ -140,6 +140,9 @@ def test_every_projection_runs_in_fixed_row_tiles(deterministic):
     assert (RowTiles.for_weights(torch.float32, torch.device("cpu")).decode, RowTiles.DECODE) == (64, 64)
     if cpu_quant.vectorized():  # the fused decode loop is built (AVX512-BF16) and runs on the tiles too
         assert model.fused_decode is not None and model.fused_decode.tiled
+        # decode-like forwards run the GGUF's blocks (Q4_1 layers, Q8_0 head) at every row count
+        assert tiles.decode_blocks and model.lm_head.blocks is not None
+        assert all(m.blocks is not None for m in projections)
     assert deterministic.step_threads is not None and deterministic.step_threads.pin_extend
 
 
@@ -243,28 +246,31 @@ def test_a_rows_result_depends_on_that_row_alone(dtype, sizes, decode):
                 torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_fp32_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind):
-    """An fp32 projection with a block form (a GGUF's Q4/Q8_0) runs it for decode-like forwards of
-    any size, no row bound: a row's result is the same bits at batch sizes 1..70, at any position
-    and with one thread fewer; extends keep the dense tiles."""
+def test_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind, dtype):
+    """A projection with a block form (a GGUF's Q4/Q8_0) runs it for decode-like forwards of any
+    size, no row bound, in fp32 and (AVX512-BF16) bf16: a row's result is the same bits at batch
+    sizes 1..70, at any position and with one thread fewer; extends keep the dense tiles."""
+    if not cpu_quant.vectorized(dtype) or (dtype == torch.bfloat16 and not onednn_bf16_available()):
+        pytest.skip(f"no {dtype} block loops on this CPU")
     cpu = torch.device("cpu")
     blocks = random_q4(1728, 576, 3) if kind == "q4" else random_q8(1728, 576, 3)
-    dense = DenseLinear(576, (1728,), False, cpu, torch.float32)
+    dense = DenseLinear(576, (1728,), False, cpu, dtype)
     dense.weight.data.copy_(blocks.dequantize())
-    tiles = RowTiles.for_weights(torch.float32, cpu)
-    linear = finalize_linear(dense, blocks.pack(torch.float32), 0, tiles)
+    tiles = RowTiles.for_weights(dtype, cpu)
+    assert tiles.decode_blocks
+    linear = finalize_linear(dense, blocks.pack(dtype), 0, tiles)
     assert isinstance(linear, BatchInvariantLinear) and linear.blocks is not None
-    plain = BatchInvariantLinear(dense, tiles)  # the dense form alone
+    plain = BatchInvariantLinear(linear.inner, tiles)  # the dense form alone
     torch.manual_seed(0)
-    probe = torch.randn(576)
+    probe = torch.randn(576).to(dtype)
     tiles.select(True)
     alone = linear(probe[None])[0]
     assert not torch.equal(alone, plain(probe[None])[0])  # the blocks ran, not the dense loop
     threads = torch.get_num_threads()
     for m in (2, 9, 16, 33, 70):
-        x = torch.randn(m, 576)
+        x = torch.randn(m, 576).to(dtype)
         at = m // 2
         x[at] = probe
         assert torch.equal(linear(x)[at], alone), m
@@ -275,7 +281,7 @@ def test_fp32_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind):
             finally:
                 torch.set_num_threads(threads)
     tiles.select(False)
-    x = torch.randn(5, 576)
+    x = torch.randn(5, 576).to(dtype)
     assert torch.equal(linear(x), plain(x))
 
 

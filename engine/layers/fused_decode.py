@@ -35,10 +35,10 @@ engine/lora/ops.py's arithmetic and roundings, another summation order), instead
 leaving the loop for the Python layers. An fp32 forward with adapter rows keeps the Python layers.
 
 Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight (or,
-fp32, its plain weight); the loop runs each on decode's row tiles (`RowTiles.DECODE`, the same
-padded calls; fp32: its block form at every row count where it has one, else cpu_gemv's
-fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so it takes decode-like forwards
-(decode, verify) only, bit-identical to the Python layers there.
+fp32, its plain weight); the loop runs each on its block form at every row count where it has one
+(`RowTiles.decode_blocks`), else decode's row tiles (`RowTiles.DECODE`, the same padded calls;
+fp32: cpu_gemv's fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so it takes
+decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
 """
 
 from __future__ import annotations
@@ -109,6 +109,10 @@ def _form(module: Any) -> _Form | None:
         # the fixed-order loop's groups
         inner = module.inner
         if isinstance(inner, OneDNNLinear):
+            if module.blocks is not None and module.tiles.decode_blocks:  # bf16 block loops, every row count
+                blocks, pieces = _blocks_form(module.blocks)
+                parts = [*blocks, inner.packed]
+                return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, RowTiles.DECODE, pieces=pieces)
             return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
         if _fp32_dense(inner) and module.tiles.decode_loop:
             if module.blocks is None:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_gemv
+from engine.kernels import cpu_gemv, cpu_quant
 from engine.layers.int4 import PackedInt4Weight, TiledQ4Weight
 from engine.layers.q8 import Q8Weight
 
@@ -190,12 +190,23 @@ class RowTiles:
     Where bf16 is emulated (a CPU without oneDNN's bf16 kernels: AVX2 only), `F.linear` costs the
     same per row from 1 row to 64 (measured: 0.11-0.12 ms a row of 576x1536, 3.6-3.8 ms of the
     LM head, one thread), so padding buys nothing there and costs a single decode 64x its GEMMs:
-    `for_weights` gives such a model tiles of 4 and 16 rows (a call's fixed cost stays ~2%)."""
+    `for_weights` gives such a model tiles of 4 and 16 rows (a call's fixed cost stays ~2%).
+
+    Block forms (`decode_blocks`): a projection that has a GGUF's blocks (or --torchao-config's)
+    in our kernels' form runs them in decode-like forwards at every row count instead of tiles.
+    Those loops give each row the same bits whatever the batch, its position and the thread
+    count (fp32: csrc/cpu_quant_gemv_f32.cpp; bf16 with AVX512-BF16: csrc/cpu_quant_gemv.cpp,
+    whose per-row chains and block order do not depend on the rows beside it), so no padding:
+    measured on the default model's bf16 projections (AMD EPYC, AVX512-BF16, no AMX), the blocks
+    cost 5.5 ms a step at 1 row, 39 at 32 and 76 at 64, against the 64-row tile's 54 at any
+    count. Decode batches below ~45 rows gain, and a lone stream most."""
 
     DECODE, EXTEND = 64, 256
     EMULATED_BF16 = (4, 16)  # (decode, extend) rows where bf16 GEMMs cost the same per row
 
-    def __init__(self, decode: int = DECODE, extend: int = EXTEND, decode_loop: bool = False) -> None:
+    def __init__(
+        self, decode: int = DECODE, extend: int = EXTEND, decode_loop: bool = False, decode_blocks: bool = False
+    ) -> None:
         self.decode, self.extend = decode, extend
         self.rows = extend
         # fp32 on a CPU: decode-like forwards run the fp32 small-batch loop (cpu_gemv.py) in groups
@@ -204,18 +215,22 @@ class RowTiles:
         # of running a 64-row GEMM (2-core AVX2 CPU, default model: single stream 3.6 tok/s on the
         # tiles); a 64-row step costs ~1.4x the tile's.
         self.decode_loop = decode_loop
-        self.loop = False
+        self.decode_blocks = decode_blocks
+        self.loop = self.blocks = False
 
     @classmethod
     def for_weights(cls, dtype: torch.dtype, device: torch.device) -> RowTiles:
         """The tiles of a model whose projections hold `dtype` weights on `device`."""
         if dtype == torch.bfloat16 and device.type == "cpu" and not onednn_bf16_available():
             return cls(*cls.EMULATED_BF16)
-        return cls(decode_loop=cpu_gemv.available_for(dtype, device))
+        loop = cpu_gemv.available_for(dtype, device)
+        bf16_blocks = dtype == torch.bfloat16 and device.type == "cpu" and cpu_quant.vectorized(dtype)
+        return cls(decode_loop=loop, decode_blocks=loop or bf16_blocks)
 
     def select(self, decode_like: bool) -> None:
         self.rows = self.decode if decode_like else self.extend
         self.loop = decode_like and self.decode_loop
+        self.blocks = decode_like and self.decode_blocks
 
 
 class BatchInvariantLinear(nn.Module):
@@ -235,20 +250,20 @@ class BatchInvariantLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.inner, self.tiles = inner, tiles
-        # an fp32 model's GGUF blocks (or --torchao-config's), for decode-like forwards at any row
-        # count: the fp32 block loops give each row the same bits whatever the batch, its position
-        # and the thread count, as the fixed-order dense loop does, reading a quarter or an eighth
-        # of its bytes (no row bound: switching forms by batch size would change a row's sums)
+        # the GGUF's blocks (or --torchao-config's), for decode-like forwards at any row count
+        # (`RowTiles.decode_blocks`): each row's bits are fixed whatever the batch, reading a
+        # quarter or an eighth of the dense bytes (no row bound: switching forms by batch size
+        # would change a row's sums)
         self.blocks = blocks
         self.bias = inner.bias
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.output_sizes = inner.output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles.blocks and self.blocks is not None:
+            out = self.blocks.matmul(x)
+            return out if self.bias is None else out + self.bias
         if self.tiles.loop and isinstance(self.inner, DenseLinear):
-            if self.blocks is not None:
-                out = self.blocks.matmul(x)
-                return out if self.bias is None else out + self.bias
             return cpu_gemv.gemv_groups(x, self.inner.weight, self.bias)
         t, rows = x.shape[0], self.tiles.rows
         if t == rows:
@@ -290,13 +305,13 @@ def finalize_linear(
     form in `BatchInvariantLinear` (no quantized form: the dense and quantized forms sum in
     different orders, so a row would change with which side the batch's size picked; an fp32
     model's decode-like forwards take the fixed-order loop there instead, `RowTiles.decode_loop`,
-    or its fp32 block loops where it has a block form: `BatchInvariantLinear.blocks`)."""
+    and an fp32 or (AVX512-BF16) bf16 one its block loops where it has a block form:
+    `RowTiles.decode_blocks`, `BatchInvariantLinear.blocks`)."""
     big = OneDNNLinear.from_dense(dense) or dense
     weight = dense.weight
     ours = isinstance(packed, (TiledQ4Weight, Q8Weight, QuantParts))  # torch's int4pack form takes bf16 only
     if row_tiles is not None:
-        # decode_loop: an fp32 CPU model with the fixed-order loops built
-        return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_loop else None)
+        return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_blocks else None)
     if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
         dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
     dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)

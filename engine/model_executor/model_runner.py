@@ -212,14 +212,14 @@ class ModelRunner(RunnerWeights):
         """
         cfg, source = self.model_config, source or self.source
         model = MODEL_CLASSES[cfg.architecture](cfg, source.hf_config, self.device, self.dtype, self.tp).eval()
-        # deterministic inference runs no row-bounded quantized path (q4_max_tokens 0), but an fp32
-        # model's decode-like forwards take the block forms at every row count
-        # (linear.BatchInvariantLinear.blocks) unless the user turned the quantized path off
+        # deterministic inference runs no row-bounded quantized path (q4_max_tokens 0), but decode-
+        # like forwards take the block forms at every row count where their loops are batch-
+        # invariant (linear.RowTiles.decode_blocks) unless the user turned the quantized path off
         invariant_blocks = (
             self.args.enable_deterministic_inference
             and self.args.resolved_q4_max_tokens() != 0
             and self.tp.size == 1
-            and RowTiles.for_weights(self.dtype, self.device).decode_loop
+            and RowTiles.for_weights(self.dtype, self.device).decode_blocks
         )
         want_q4 = (q4_max_tokens != 0 or invariant_blocks) and int4_kernel_available(self.dtype)
         quant = WeightOnlyQuant.parse(self.args.torchao_config)  # verified by ServerArgs
