@@ -22,6 +22,7 @@ from engine.errors import InvalidServerArgsError
 from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, finalize_linear, onednn_bf16_available
 from engine.model_executor.model_runner import ModelRunner
+from engine.models import llama
 from engine.sampling import SamplingParams
 from engine.server_args import ServerArgs, cpu_has_native_bf16
 from tests.quant_blocks import random_q4, random_q8
@@ -141,8 +142,8 @@ def test_every_projection_runs_in_fixed_row_tiles(deterministic):
     if cpu_quant.vectorized():  # the fused decode loop is built (AVX512-BF16) and runs on the tiles too
         assert model.fused_decode is not None and model.fused_decode.tiled
         # decode-like forwards run the GGUF's blocks (Q4_1 layers, Q8_0 head) at every row count
-        assert tiles.decode_blocks and model.lm_head.blocks is not None
-        assert all(m.blocks is not None for m in projections)
+        # where they beat the padded tiles here (measured at load: AMX runs the tiles fast)
+        assert all((m.blocks is not None) == tiles.decode_blocks for m in projections)
     assert deterministic.step_threads is not None and deterministic.step_threads.pin_extend
 
 
@@ -283,6 +284,21 @@ def test_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind, dtype):
     tiles.select(False)
     x = torch.randn(5, 576).to(dtype)
     assert torch.equal(linear(x), plain(x))
+
+
+@pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no bf16 block loops")
+def test_bf16_decode_takes_the_blocks_only_where_they_beat_the_tiles(default_source, monkeypatch):
+    """The load-time measurement decides; where the padded tiles win (an AMX CPU), no projection
+    keeps its blocks and the fused loop runs the tiles."""
+    tiles = RowTiles.for_weights(torch.bfloat16, torch.device("cpu"))
+    assert tiles.decode_blocks == onednn_bf16_available()  # a candidate wherever the tiles are oneDNN's
+    for wins in (False, True):
+        monkeypatch.setattr(llama, "blocks_beat_padded_tiles", lambda linears, dtype, wins=wins: wins)
+        model = _runner(default_source, True, None).model
+        invariant = [m for m in model.modules() if isinstance(m, BatchInvariantLinear)]
+        assert model.row_tiles.decode_blocks == wins
+        assert invariant and all((m.blocks is not None) == wins for m in invariant)
+        assert model.fused_decode is not None and model.fused_decode.tiled
 
 
 def test_mixed_chunk_is_refused(default_source):

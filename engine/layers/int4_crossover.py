@@ -35,10 +35,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from engine.layers.linear import QuantLinear
+from engine.layers.linear import BatchInvariantLinear, QuantLinear
+
+Q = TypeVar("Q", QuantLinear, BatchInvariantLinear)
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +78,13 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=FALLBACK_LLC_BYTES)
 
 
-def cold_cache_prefix(linears: Sequence[QuantLinear]) -> list[QuantLinear]:
+def cold_cache_prefix(linears: Sequence[Q], quantized: Callable[[Q], Any] = lambda m: m.packed) -> list[Q]:
     """The first projections whose quantized forms (the smaller side) reach twice the last-level
     cache (or all): then neither side's weights stay cached between passes."""
     target, total, chosen = 2 * last_level_cache_bytes(), 0, []
     for linear in linears:
         chosen.append(linear)
-        total += linear.packed.nbytes
+        total += quantized(linear).nbytes
         if total >= target:
             break
     return chosen
@@ -149,3 +152,45 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
     )
     _cache[key] = result
     return result
+
+
+def blocks_beat_padded_tiles(linears: Sequence[BatchInvariantLinear], dtype: torch.dtype) -> bool:
+    """Deterministic inference (linear.RowTiles.decode_blocks): whether decode steps should run the
+    projections' block loops at every row count rather than the dense form on padded tiles of
+    `tiles.decode` rows. Timed as the crossover is (cold, alternating, best of REPEATS): the
+    blocks on a half-full tile's rows against the dense form on a full tile, which every decode
+    step of up to that many rows pays. On an AVX512-BF16 CPU without AMX the blocks cost 39 ms of
+    the default model's step at 32 rows against 54 for the 64-row tile; AMX runs the tile several
+    times faster per row, and there the tiles stay."""
+    chosen = cold_cache_prefix(linears, lambda m: m.blocks)
+    tile = chosen[0].tiles.decode
+    shapes = tuple((m.out_features, m.in_features, type(m.blocks).__name__) for m in chosen)
+    key = ("tiles", shapes, str(dtype), tile, torch.get_num_threads())
+    if key in _cache:
+        return bool(_cache[key])
+    gen = torch.Generator().manual_seed(0)
+    twice_llc = 2 * last_level_cache_bytes()
+    cached = sum(m.blocks.nbytes for m in chosen) < twice_llc
+    evict = torch.ones(twice_llc // 4, dtype=torch.float32) if cached else None
+    inputs = {k: torch.randn(tile, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
+    full = [inputs[m.in_features] for m in chosen]
+    half = [x[: max(1, tile // 2)] for x in full]
+    block_fns = [m.blocks.matmul for m in chosen]
+    tile_fns = [m.inner for m in chosen]
+    with torch.inference_mode():
+        _side_time(block_fns, half, None)  # warm-up
+        _side_time(tile_fns, full, None)
+        t_blocks = t_tiles = float("inf")
+        for _ in range(REPEATS):
+            t_blocks = min(t_blocks, _side_time(block_fns, half, evict))
+            t_tiles = min(t_tiles, _side_time(tile_fns, full, evict))
+    log.info(
+        "deterministic decode: block loops %.2f ms at %d rows, %d-row tiles %.2f ms: %s",
+        1e3 * t_blocks,
+        tile // 2,
+        tile,
+        1e3 * t_tiles,
+        "blocks" if t_blocks <= t_tiles else "tiles",
+    )
+    _cache[key] = int(t_blocks <= t_tiles)
+    return t_blocks <= t_tiles

@@ -36,8 +36,16 @@ from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import Q4Blocks, TiledQ4Weight
-from engine.layers.int4_crossover import measure_int4_crossover
-from engine.layers.linear import DenseLinear, QuantLinear, QuantParts, QuantWeight, RowTiles, finalize_linear
+from engine.layers.int4_crossover import blocks_beat_padded_tiles, measure_int4_crossover
+from engine.layers.linear import (
+    BatchInvariantLinear,
+    DenseLinear,
+    QuantLinear,
+    QuantParts,
+    QuantWeight,
+    RowTiles,
+    finalize_linear,
+)
 from engine.layers.moe import FusedMoE
 from engine.layers.moe_q4 import EXPERT_PROJS
 from engine.layers.norm import RMSNorm
@@ -373,6 +381,15 @@ class LlamaForCausalLM(nn.Module):
             dense = self.get_submodule(name)
             assert isinstance(dense, DenseLinear)
             self.set_submodule(name, finalize_linear(dense, q4.get(name), rows, self.row_tiles))
+        tiles = self.row_tiles
+        if tiles is not None and tiles.decode_blocks and weight.dtype == torch.bfloat16:
+            # bf16's alternative to the blocks is the padded tile (fp32's, a fixed-order loop that
+            # reads more bytes than the blocks, always loses): measured, as AMX runs tiles fast
+            blocks = [m for m in self.modules() if isinstance(m, BatchInvariantLinear) and m.blocks is not None]
+            tiles.decode_blocks = bool(blocks) and blocks_beat_padded_tiles(blocks, weight.dtype)
+            if not tiles.decode_blocks:
+                for m in blocks:
+                    m.blocks = None  # no forward reads them
         if not measure:
             return rows
         quant = [(name, m) for name, m in self.named_modules() if isinstance(m, QuantLinear)]
