@@ -199,7 +199,9 @@ class RowTiles:
     whose per-row chains and block order do not depend on the rows beside it), so no padding:
     measured on the default model's bf16 projections (AMD EPYC, AVX512-BF16, no AMX), the blocks
     cost 5.5 ms a step at 1 row, 39 at 32 and 76 at 64, against the 64-row tile's 54 at any
-    count. Decode batches below ~45 rows gain, and a lone stream most."""
+    count. Decode batches below ~45 rows gain, and a lone stream most. AMX runs the tiles several
+    times faster per row, so for bf16 the model measures at load which side wins
+    (int4_crossover.blocks_beat_padded_tiles) and may turn `decode_blocks` off."""
 
     DECODE, EXTEND = 64, 256
     EMULATED_BF16 = (4, 16)  # (decode, extend) rows where bf16 GEMMs cost the same per row
