@@ -140,22 +140,37 @@ def test_kernels_refuse_what_they_cannot_take():
     assert q6k_blocks(raw, (16, 256)).pack(torch.float16) is None
 
 
-@VECTOR
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
-def test_bf16_models_run_the_k_forms_through_the_fp32_loops(qtype):
+def test_bf16_models_run_the_k_forms(qtype):
     """A bf16 model keeps the K forms (before, Q4_K took torch's int4pack with its scales rounded
-    to bf16, and Q5_K and Q6_K stayed dense): x widened to fp32, the fp32 loops, one rounding to
-    bf16; the same form, so the same bytes read."""
+    to bf16, and Q5_K and Q6_K stayed dense), the same bytes as an fp32 model's. Q4_K runs the
+    bf16 4-bit loops with the factors multiplied where they are read: the plain loop and the
+    vector one (AVX512-BF16) each equal the float64 product to the output's bf16 rounding, and
+    each other to a bf16 step. Q5_K and Q6_K run the fp32 loops on x widened: the fp32 result
+    rounded once."""
+    if qtype == Q4_K and not cpu_quant.vectorized(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 build: a bf16 model runs Q4_K through torch's int4pack")
+    if qtype != Q4_K and not cpu_quant.vectorized(torch.float32):
+        pytest.skip("no fp32 block loops on this CPU")
     n, k = 40, 512
     blocks = READERS[qtype](kquant_bytes(qtype, n, k, np.random.default_rng(4)), (n, k))
     form, form32 = blocks.pack(torch.bfloat16), blocks.pack(torch.float32)
     assert type(form) is type(form32) and form.nbytes == form32.nbytes
+    w = blocks.dequantize().double()
     g = torch.Generator().manual_seed(0)
     for rows in (1, 3, 9):
         x = torch.randn(rows, k, generator=g).bfloat16()
         y = form.matmul(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-        assert torch.equal(y, form32.matmul(x.float()).bfloat16()), rows
+        if qtype != Q4_K:
+            assert torch.equal(y, form32.matmul(x.float()).bfloat16()), rows
+            continue
+        assert form.tiles.k_form
+        plain = cpu_quant.q4_gemv(x, form.tiles, vector=False)
+        exact = x.double() @ w.T
+        for out in (y, plain):
+            assert float((out.double() - exact).abs().max() / exact.abs().max()) < 5e-3, rows
+        assert torch.allclose(y.float(), plain.float(), rtol=1 / 128, atol=1e-3 * plain.float().abs().max().item())
 
 
 # --- a Q4_K_M-like tiny Llama ------------------------------------------------------------------

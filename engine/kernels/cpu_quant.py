@@ -5,8 +5,8 @@ activations, csrc/cpu_quant_gemv_f32.cpp for fp32 ones).
 (Q4_0/Q4_1: code, fp16 scale and offset per 32 weights; Q4_K: the same codes, each scale and
 offset a 6-bit factor per 32 weights times an fp16 one per 256) or 8-bit (Q8_0: int8 code, fp16
 scale; Q6_K's 6-bit codes as int8, an int8 factor per 16 weights times a d per 256; Q5_K's 5-bit
-codes as int8 with Q4_K's factored scale and offset). The K forms (Q4_K, Q5_K, Q6_K) have fp32
-loops only: a bf16 x is widened to fp32 and the result rounded to bf16 once.
+codes as int8 with Q4_K's factored scale and offset). Q5_K and Q6_K have fp32 loops only: a bf16 x
+is widened to fp32 and the result rounded to bf16 once.
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
 memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bound (torch's
 int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
@@ -68,7 +68,7 @@ def exact_in_fp16(t: torch.Tensor) -> bool:
 class Q4Packed:
     """A 4-bit weight in the kernel's layout (csrc/cpu_quant_gemv.cpp): rows in tiles of TILE,
     codes uint8 [T, K/32, 8, 32], fp16 scales and offsets [T, K/32, TILE]; or in the K form
-    (`q4k_pack`; fp32 loops, a bf16 x widened): `scales` uint8 [T, K/32, 2, TILE] (each block's sc and m),
+    (`q4k_pack`): `scales` uint8 [T, K/32, 2, TILE] (each block's sc and m),
     `offsets` fp16 [T, K/256, 2, TILE] (each 256 weights' d and dmin)."""
 
     codes: torch.Tensor
@@ -123,7 +123,7 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
 def q4k_pack(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> Q4Packed:
     """W[n, k] = d[n, k/256] * sc[n, k/32] * q[n, k] - dmin[n, k/256] * m[n, k/32] (GGUF Q4_K: q
     codes 0..15 [N, K], sc and m 0..63 [N, K/32], d and dmin fp16 values [N, K/256]) -> the
-    kernel's K form (fp32 loops; a bf16 x is widened and the result rounded once)."""
+    kernel's K form (bf16 and fp32 inputs)."""
     n, k = q.shape
     if k % SUPER:
         raise ValueError(f"K-form rows must be a multiple of {SUPER} wide, got {k}")

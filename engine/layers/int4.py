@@ -99,10 +99,9 @@ class Q4Blocks:
         """The fastest kernel form this weight can take here for a model computing in `dtype`
         (see the module docstring), or None when no kernel can take it (the weight stays dense)."""
         k = self.q.shape[1]
-        k_form_ok = dtype in (torch.float32, torch.bfloat16) and cpu_quant.vectorized(torch.float32)
-        if self.k is not None and k_form_ok and k % cpu_quant.SUPER == 0:
-            # the K form: fewer scale bytes than the fp16 one, and exact where fp16 is not (its
-            # loops are fp32 ones; a bf16 model's x is widened and the result rounded once)
+        ours = dtype in (torch.float32, torch.bfloat16) and cpu_quant.vectorized(dtype)
+        if self.k is not None and ours and k % cpu_quant.SUPER == 0:
+            # the K form: fewer scale bytes than the fp16 one, and exact where fp16 is not
             f = self.k
             return TiledQ4Weight(cpu_quant.q4k_pack(self.q, f.sc, f.m, f.d, f.dmin))
         if cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0 and self.group_size % cpu_quant.BLOCK == 0:

@@ -6,9 +6,9 @@ blocks when tied). Everything else (Q5_1, Q2_K, Q3_K, IQ*, ...) loads dequantize
 llama.cpp's Q4_K_M, the file most people download, is Q4_K with Q6_K for the head and for some
 layers' v and down projections (Q5_K_M: Q5_K with the same Q6_K tensors), so all of its matrices
 keep their blocks (a fused q|k|v whose parts differ in kind runs them side by side: linear.py
-QuantParts). The K-quants' forms (the 4-bit tiles' K form, the 8-bit loops' factored scales) have
-fp32 loops only: a bf16 model runs them on its activations widened to fp32, each result rounded to
-bf16 once.
+QuantParts), in fp32 and bf16 models: Q4_K's K form has loops for both; Q5_K's and Q6_K's 8-bit
+forms fp32 ones only, which a bf16 model runs on its activations widened to fp32, each result
+rounded to bf16 once.
 
 The byte layouts follow the `gguf` package's dequantization (gguf.quants), and each form's
 `dequantize()` equals gguf's to the bit (tests/test_gguf_kquants.py).

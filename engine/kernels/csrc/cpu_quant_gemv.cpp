@@ -22,10 +22,13 @@
 // 8-bit layout: the Q8_0 codes int8 [N, K] and fp16 scales [N, K/32]: each 16 codes widen to
 // int32, convert to fp32 exactly and meet x (fp32) in an FMA; one more FMA applies the block scale.
 //
-// Both accumulate in fp32 and round the result to bf16 once. Q4_K's K form (uint8 scales) runs
-// the fp32 loops on x widened (cpu_quant_gemv_f32.cpp), rounded to bf16 the same way. Without
-// AVX512-BF16 (q4) or AVX-512 (q8) the same arithmetic runs as plain loops: correct everywhere,
-// fast where the engine uses it (`quant_gemv_vectorized()` tells the Python side which).
+// 4-bit K form (llama.cpp's Q4_K, q4k_pack): the same codes, each block's d and m made from two
+// factors (a 6-bit integer per block, an fp16 per 256 weights; exact in fp32) where the loop reads
+// them, so Q4_K runs at the fp16 form's speed on 2 fewer scale bytes per row and block.
+//
+// Both accumulate in fp32 and round the result to bf16 once. Without AVX512-BF16 (q4) or AVX-512
+// (q8) the same arithmetic runs as plain loops: correct everywhere, fast where the engine uses it
+// (`quant_gemv_vectorized()` tells the Python side which).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,10 +42,6 @@
 
 using bf16 = c10::BFloat16;
 using fp16 = c10::Half;
-
-// cpu_quant_gemv_f32.cpp: takes a bf16 x for the K form, returning bf16
-torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                          int64_t n_out, bool vectorized);
 
 namespace {
 
@@ -77,10 +76,61 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
 constexpr int64_t kTile = 16;        // rows per tile (one per fp32 lane)
 constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block (16 rows x 32 codes / 2)
 
+// Where each block's scale d and offset m come from, for the 16 rows of tile t, block b (the
+// plain loops read one row's, `scale1` / `offset1`; the vector loops 16 at once):
+// q4_pack's fp16 arrays [T, K/32, 16] as stored ...
+struct HalfScales {
+  const fp16* s;
+  const fp16* o;
+  int64_t nb;
+  float scale1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(s[(t * nb + b) * kTile + i]); }
+  float offset1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(o[(t * nb + b) * kTile + i]); }
+#if defined(__AVX512F__)
+  __m512 scale(int64_t t, int64_t b) const { return half16(s + (t * nb + b) * kTile); }
+  __m512 offset(int64_t t, int64_t b) const { return half16(o + (t * nb + b) * kTile); }
+  static __m512 half16(const fp16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
+};
+
+// ... or q4k_pack's factors (llama.cpp's Q4_K): sc and m uint8 [T, K/32, 2, 16], d and dmin fp16
+// [T, K/256, 2, 16]; d = d256 * sc and m = -(dmin256 * m), both exact in fp32 (an fp16 times a
+// 6-bit integer), as cpu_quant_gemv_f32.cpp's KScales computes them.
+struct KScales {
+  static constexpr int64_t kPerSuper = 8;  // 32-weight blocks per d
+  const uint8_t* sm;
+  const fp16* dd;
+  int64_t nb;
+  int64_t small(int64_t t, int64_t b, int which) const { return ((t * nb + b) * 2 + which) * kTile; }
+  int64_t super(int64_t t, int64_t b, int which) const {
+    return ((t * (nb / kPerSuper) + b / kPerSuper) * 2 + which) * kTile;
+  }
+  float scale1(int64_t t, int64_t b, int64_t i) const {
+    return static_cast<float>(dd[super(t, b, 0) + i]) * static_cast<float>(sm[small(t, b, 0) + i]);
+  }
+  float offset1(int64_t t, int64_t b, int64_t i) const {
+    return -(static_cast<float>(dd[super(t, b, 1) + i]) * static_cast<float>(sm[small(t, b, 1) + i]));
+  }
+#if defined(__AVX512F__)
+  __m512 factor(int64_t t, int64_t b, int which) const {
+    const __m512 big = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + super(t, b, which))));
+    const __m512 sc = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + small(t, b, which)))));
+    return _mm512_mul_ps(big, sc);
+  }
+  __m512 scale(int64_t t, int64_t b) const { return factor(t, b, 0); }
+  __m512 offset(int64_t t, int64_t b) const {
+    return _mm512_sub_ps(_mm512_setzero_ps(), factor(t, b, 1));
+  }
+#endif
+};
+
 // Plain loops over the same layout: the reference arithmetic (also the fallback without
 // AVX512-BF16).
-void q4_rows_scalar(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
-                    const fp16* scales, const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+template <typename S>
+void q4_rows_scalar(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                    bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
@@ -95,8 +145,7 @@ void q4_rows_scalar(const bf16* x, const float* sx, int64_t m_rows, int64_t k, c
             const int code = j >= 8 ? byte >> 4 : byte & 15;
             s += static_cast<float>(x[m * k + b * kBlock + w]) * static_cast<float>(code);
           }
-          const int64_t at = (t * nb + b) * kTile + i;
-          acc += static_cast<float>(scales[at]) * s + static_cast<float>(offsets[at]) * sx[m * nb + b];
+          acc += sc.scale1(t, b, i) * s + sc.offset1(t, b, i) * sx[m * nb + b];
         }
         y[m * n_out + t * kTile + i] = static_cast<bf16>(acc);
       }
@@ -113,18 +162,16 @@ inline __m512bh pair_of(const bf16* p) {  // x[p], x[p + 1] in every 32-bit lane
 
 // One tile (16 rows) against M rows of x, B blocks per step: every (m, block) pair has two
 // independent dot-product chains (low and high nibbles), enough to hide the dot product's latency.
-template <int M, int B>
-void q4_tile(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
-             const fp16* offsets, bf16* y, int64_t n_out, int64_t t) {
+template <int M, int B, typename S>
+void q4_tile(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y, int64_t n_out,
+             int64_t t) {
   const int64_t nb = k / kBlock;
   const __m512i low = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   auto finish_block = [&](int64_t b, __m512 (&s)[M]) {
-    const int64_t at = (t * nb + b) * kTile;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + at)));
-    const __m512 off = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), o);
+    const __m512 d = sc.scale(t, b);
+    const __m512 off = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), sc.offset(t, b));
     for (int m = 0; m < M; ++m) {
       acc[m] = _mm512_fmadd_ps(s[m], d, acc[m]);
       acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
@@ -159,18 +206,19 @@ void q4_tile(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, co
     _mm256_mask_storeu_epi16(y + m * n_out + t * kTile, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
-template <int M>
-void q4_tiles(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const fp16* scales,
-              const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+template <int M, typename S>
+void q4_tiles(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y, int64_t n_out,
+              int64_t t0, int64_t t1) {
   constexpr int B = M <= 2 ? 2 : 1;  // keep 2*B*M chains and M accumulators in registers
-  for (int64_t t = t0; t < t1; ++t) q4_tile<M, B>(x, sx, k, codes, scales, offsets, y, n_out, t);
+  for (int64_t t = t0; t < t1; ++t) q4_tile<M, B>(x, sx, k, codes, sc, y, n_out, t);
 }
 
-void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const fp16* scales,
-             const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+template <typename S>
+void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
+             int64_t n_out, int64_t t0, int64_t t1) {
   switch (m_rows) {
 #define Q4_CASE(M) \
-  case M: return q4_tiles<M>(x, sx, k, codes, scales, offsets, y, n_out, t0, t1);
+  case M: return q4_tiles<M>(x, sx, k, codes, sc, y, n_out, t0, t1);
     Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
 #undef Q4_CASE
   }
@@ -178,9 +226,10 @@ void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const ui
 #else
 constexpr bool kQ4Vectorized = false;
 
-void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const fp16* scales,
-             const fp16* offsets, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
-  q4_rows_scalar(x, sx, m_rows, k, codes, scales, offsets, y, n_out, t0, t1);
+template <typename S>
+void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
+             int64_t n_out, int64_t t0, int64_t t1) {
+  q4_rows_scalar(x, sx, m_rows, k, codes, sc, y, n_out, t0, t1);
 }
 #endif
 
@@ -282,10 +331,19 @@ void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
               op, ": codes uint8 [T, K/32, 8, 32]");
   const int64_t tiles = codes.size(0), nb = codes.size(1);
   TORCH_CHECK(n_out > (tiles - 1) * kTile && n_out <= tiles * kTile, op, ": n_out must fill the last tile");
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
-                    t->size(1) == nb && t->size(2) == kTile,
-                op, ": fp16 scales and offsets [T, K/32, 16]");
+  if (scales.scalar_type() == torch::kByte) {  // the K form
+    TORCH_CHECK(nb % KScales::kPerSuper == 0, op, ": K-form rows must be a multiple of 256 wide");
+    TORCH_CHECK(scales.is_contiguous() && scales.sizes() == torch::IntArrayRef({tiles, nb, 2, kTile}),
+                op, ": K-form sc and m uint8 [T, K/32, 2, 16]");
+    TORCH_CHECK(offsets.scalar_type() == torch::kHalf && offsets.is_contiguous() &&
+                    offsets.sizes() == torch::IntArrayRef({tiles, nb / KScales::kPerSuper, 2, kTile}),
+                op, ": K-form d and dmin fp16 [T, K/256, 2, 16]");
+  } else {
+    for (const auto* t : {&scales, &offsets})
+      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                      t->size(1) == nb && t->size(2) == kTile,
+                  op, ": fp16 scales and offsets [T, K/32, 16]");
+  }
   check_x(x, nb * kBlock, op);
 }
 
@@ -294,37 +352,41 @@ void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
 bool quant_gemv_vectorized() { return kQ4Vectorized && kQ8Vectorized; }
 
 // y [M, n_out] bf16 = x [M, K] @ W.T, W in q4_pack's layout: codes uint8 [T, K/32, 8, 32], fp16
-// scales and offsets [T, K/32, 16] (T = ceil(n_out / 16) tiles; rows past n_out are padding).
+// scales and offsets [T, K/32, 16] (T = ceil(n_out / 16) tiles; rows past n_out are padding); or
+// q4k_pack's K form (the same codes; `scales` uint8 [T, K/32, 2, 16] each block's sc and m,
+// `offsets` fp16 [T, K/256, 2, 16] each 256 weights' d and dmin).
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized) {
-  if (scales.scalar_type() == torch::kByte)  // Q4_K's K form: the fp32 loops (cpu_quant_gemv_f32.cpp)
-    return q4_gemv_f32(x, codes, scales, offsets, n_out, vectorized);
   check_q4(x, codes, scales, offsets, n_out, "q4_gemv");
   const int64_t tiles = codes.size(0), k = codes.size(1) * kBlock, rows = x.size(0);
   auto y = torch::empty({rows, n_out}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
-  const auto* sp = scales.data_ptr<at::Half>();
-  const auto* op = offsets.data_ptr<at::Half>();
   const int64_t nb = k / kBlock;
   std::vector<float> sx(rows * nb);
   block_sums(x.data_ptr<bf16>(), rows, k, sx.data());
   // Each task takes its tiles through every group of kMaxRows rows of x in turn: a group's pass
   // finds the task's weights (~256 KB) still in L2, so more rows cost compute, not DRAM reads.
-  auto groups = [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
-      const bf16* xp = x.data_ptr<bf16>() + m0 * k;
-      bf16* yp = y.data_ptr<bf16>() + m0 * n_out;
-      if (vectorized)
-        q4_rows(xp, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
-      else
-        q4_rows_scalar(xp, sx.data() + m0 * nb, m_rows, k, cp, sp, op, yp, n_out, t0, t1);
-    }
+  auto run = [&](const auto& sc) {
+    auto groups = [&](int64_t t0, int64_t t1) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
+        const bf16* xp = x.data_ptr<bf16>() + m0 * k;
+        bf16* yp = y.data_ptr<bf16>() + m0 * n_out;
+        if (vectorized)
+          q4_rows(xp, sx.data() + m0 * nb, m_rows, k, cp, sc, yp, n_out, t0, t1);
+        else
+          q4_rows_scalar(xp, sx.data() + m0 * nb, m_rows, k, cp, sc, yp, n_out, t0, t1);
+      }
+    };
+    if (vectorized)
+      at::parallel_for(0, tiles, grain(kTile * k / 2), groups);
+    else
+      groups(0, tiles);
   };
-  if (vectorized)
-    at::parallel_for(0, tiles, grain(kTile * k / 2), groups);
+  if (scales.scalar_type() == torch::kByte)
+    run(KScales{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb});
   else
-    groups(0, tiles);
+    run(HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb});
   return y;
 }
 

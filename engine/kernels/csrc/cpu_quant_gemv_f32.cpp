@@ -33,9 +33,9 @@
 // a d per 256 (the file's fp16, held in fp32; the product is exact), so each 16-weight block is
 // scaled as a Q8_0 block is.
 //
-// bf16 models: the K forms (Q4_K, Q5_K, Q6_K) have no loops of their own for bf16 activations.
-// Their entry points here take a bf16 x too: it widens to fp32 (exact), the fp32 loops run, and
-// the result is rounded to bf16 once, as the bf16 loops of cpu_quant_gemv.cpp round theirs. The
+// bf16 models: Q5_K and Q6_K have no loops of their own for bf16 activations (Q4_K's K form has,
+// in cpu_quant_gemv.cpp). Their entry points here take a bf16 x too: it widens to fp32 (exact),
+// the fp32 loops run, and the result is rounded to bf16 once, as the bf16 loops round theirs. The
 // extra conversions touch M x K and M x N values, nothing beside the weights' read.
 //
 // Every result is a function of its own row of x (no count of rows, position or thread count
@@ -513,10 +513,6 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                       t->size(1) == nb && t->size(2) == kTile,
                   "q4_gemv_f32: fp16 scales and offsets [T, K/32, 16]");
   }
-  if (k_form && x.scalar_type() == torch::kBFloat16)
-    return through_fp32(x, [&](const torch::Tensor& xf) {
-      return q4_gemv_f32(xf, codes, scales, offsets, n_out, vectorized);
-    });
   check_x(x, k, "q4_gemv_f32");
   auto y = torch::empty({rows, n_out}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
