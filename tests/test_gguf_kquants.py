@@ -23,8 +23,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from bench.gpu_parity import teacher_forced
-from engine import SyncScheduler
 from engine.kernels import cpu_quant
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import TiledQ4Weight
@@ -33,9 +31,14 @@ from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4k_blocks, q5_0_blocks, q5k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
-from engine.sampling import SamplingParams
 from tests.test_loader import gguf_name
-from tests.test_model_families import NO_SPECIAL, VOCAB, assert_scheduler_matches_transformers, family_args
+from tests.test_model_families import (
+    NO_SPECIAL,
+    VOCAB,
+    assert_bf16_bar,
+    assert_scheduler_matches_transformers,
+    family_args,
+)
 
 Q4_K, Q5_K, Q6_K, Q5_0 = (GGMLQuantizationType[t] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0"))
 VECTOR = pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
@@ -312,11 +315,4 @@ def test_a_bf16_k_m_model_runs_its_blocks(arch, base, tmp_path):
     assert isinstance(head, QuantLinear) and head.packed.supers is not None
     if cpu_quant.vectorized(torch.bfloat16):
         assert isinstance(runner.model.fused_decode, FusedDecodeLayers)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 37, 12, 60)]
-    sched = SyncScheduler(runner)
-    params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    reqs = [sched.add_request(p, params) for p in prompts]
-    sched.run_until_idle()
-    bar = teacher_forced(ref, prompts, [r.output_ids for r in reqs])
-    assert bar["ok"], f"{name}: {bar}"
+    assert_bf16_bar(runner, ref, name, vocab=VOCAB, lengths=(4, 37, 12, 60), new_tokens=16)

@@ -216,10 +216,16 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
         assert (model.fused_decode is not None) == fused_loop, name
     if onednn_bf16_available():
         assert isinstance(model.layers[0].self_attn.qkv_proj, OneDNNLinear)
+    assert_bf16_bar(runner, hf, name, vocab=512, lengths=(4, 37, 12, 60, 20, 90), new_tokens=24)
+
+
+def assert_bf16_bar(runner: ModelRunner, hf, name: str, vocab: int, lengths: tuple[int, ...], new_tokens: int) -> None:
+    """Greedy outputs of a batch of random prompts through the scheduler are transformers' top
+    choices on our own sequences (bench.gpu_parity's bf16 bar)."""
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 37, 12, 60, 20, 90)]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     sched = SyncScheduler(runner)
-    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     reqs = [sched.add_request(p, params) for p in prompts]
     sched.run_until_idle()
     bar = teacher_forced(hf, prompts, [r.output_ids for r in reqs])

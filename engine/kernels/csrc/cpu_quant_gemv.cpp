@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "q4_scales.h"
 #include "vec.h"
 
 using bf16 = c10::BFloat16;
@@ -73,56 +74,30 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
 
 // ---- 4-bit ----------------------------------------------------------------------------------
 
-constexpr int64_t kTile = 16;        // rows per tile (one per fp32 lane)
+constexpr int64_t kTile = asyncllm::q4_scales::kRows;  // rows per tile (one per fp32 lane)
 constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block (16 rows x 32 codes / 2)
 
-// Where each block's scale d and offset m come from, for the 16 rows of tile t, block b (the
-// plain loops read one row's, `scale1` / `offset1`; the vector loops 16 at once):
-// q4_pack's fp16 arrays [T, K/32, 16] as stored ...
-struct HalfScales {
-  const fp16* s;
-  const fp16* o;
-  int64_t nb;
-  float scale1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(s[(t * nb + b) * kTile + i]); }
-  float offset1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(o[(t * nb + b) * kTile + i]); }
 #if defined(__AVX512F__)
-  __m512 scale(int64_t t, int64_t b) const { return half16(s + (t * nb + b) * kTile); }
-  __m512 offset(int64_t t, int64_t b) const { return half16(o + (t * nb + b) * kTile); }
-  static __m512 half16(const fp16* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
+inline __m512 half16(const fp16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+
+// Each block's scale d and offset m (q4_scales.h), 16 rows at once for the vector loops.
+struct HalfScales : asyncllm::q4_scales::Half {
+#if defined(__AVX512F__)
+  __m512 scale(int64_t t, int64_t b) const { return half16(s + at(t, b)); }
+  __m512 offset(int64_t t, int64_t b) const { return half16(o + at(t, b)); }
 #endif
 };
 
-// ... or q4k_pack's factors (llama.cpp's Q4_K): sc and m uint8 [T, K/32, 2, 16], d and dmin fp16
-// [T, K/256, 2, 16]; d = d256 * sc and m = -(dmin256 * m), both exact in fp32 (an fp16 times a
-// 6-bit integer), as cpu_quant_gemv_f32.cpp's KScales computes them.
-struct KScales {
-  static constexpr int64_t kPerSuper = 8;  // 32-weight blocks per d
-  const uint8_t* sm;
-  const fp16* dd;
-  int64_t nb;
-  int64_t small(int64_t t, int64_t b, int which) const { return ((t * nb + b) * 2 + which) * kTile; }
-  int64_t super(int64_t t, int64_t b, int which) const {
-    return ((t * (nb / kPerSuper) + b / kPerSuper) * 2 + which) * kTile;
-  }
-  float scale1(int64_t t, int64_t b, int64_t i) const {
-    return static_cast<float>(dd[super(t, b, 0) + i]) * static_cast<float>(sm[small(t, b, 0) + i]);
-  }
-  float offset1(int64_t t, int64_t b, int64_t i) const {
-    return -(static_cast<float>(dd[super(t, b, 1) + i]) * static_cast<float>(sm[small(t, b, 1) + i]));
-  }
+struct KScales : asyncllm::q4_scales::Factors {
 #if defined(__AVX512F__)
   __m512 factor(int64_t t, int64_t b, int which) const {
-    const __m512 big = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + super(t, b, which))));
-    const __m512 sc = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + small(t, b, which)))));
-    return _mm512_mul_ps(big, sc);
+    const auto* small_factors = reinterpret_cast<const __m128i*>(sm + small(t, b, which));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(small_factors)));
+    return _mm512_mul_ps(half16(dd + super(t, b, which)), sc);
   }
   __m512 scale(int64_t t, int64_t b) const { return factor(t, b, 0); }
-  __m512 offset(int64_t t, int64_t b) const {
-    return _mm512_sub_ps(_mm512_setzero_ps(), factor(t, b, 1));
-  }
+  __m512 offset(int64_t t, int64_t b) const { return _mm512_sub_ps(_mm512_setzero_ps(), factor(t, b, 1)); }
 #endif
 };
 
@@ -384,9 +359,9 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
       groups(0, tiles);
   };
   if (scales.scalar_type() == torch::kByte)
-    run(KScales{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb});
+    run(KScales{{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb}});
   else
-    run(HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb});
+    run(HalfScales{{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb}});
   return y;
 }
 

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <vector>
 
+#include "q4_scales.h"
 #include "quant_f32.h"
 #include "vec_native.h"
 
@@ -61,7 +62,7 @@ using fp16 = c10::Half;
 namespace {
 
 constexpr int64_t kBlock = 32;      // weights per scale
-constexpr int64_t kTile = 16;       // 4-bit rows per tile
+constexpr int64_t kTile = q4_scales::kRows;  // 4-bit rows per tile
 constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block
 constexpr int64_t kW = native::kWidth;
 constexpr int kHalves = kTile / kW;  // vectors per tile's 16 rows
@@ -118,40 +119,19 @@ inline vf load_u8(const uint8_t* p) {
 #endif
 }
 
-// A 4-bit weight's per-block scales and offsets, for tile t, block b and the tile's rows r*kW ..
-// (vector) or row i (scalar), in q4_pack's layout:
-// fp16 scale and offset per row and block, [T, K/32, 16] each
-struct HalfScales {
-  const fp16* s;
-  const fp16* o;
-  int64_t nb;
-  vf scale(int64_t t, int64_t b, int r) const { return load_half(s + (t * nb + b) * kTile + r * kW); }
-  vf offset(int64_t t, int64_t b, int r) const { return load_half(o + (t * nb + b) * kTile + r * kW); }
-  float scale1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(s[(t * nb + b) * kTile + i]); }
-  float offset1(int64_t t, int64_t b, int64_t i) const { return static_cast<float>(o[(t * nb + b) * kTile + i]); }
+// A 4-bit weight's per-block scales and offsets (q4_scales.h: q4_pack's fp16 ones or q4k_pack's
+// factors), for tile t, block b and the tile's rows r*kW .. (vector) or row i (scalar)
+struct HalfScales : q4_scales::Half {
+  vf scale(int64_t t, int64_t b, int r) const { return load_half(s + at(t, b) + r * kW); }
+  vf offset(int64_t t, int64_t b, int r) const { return load_half(o + at(t, b) + r * kW); }
 };
 
-// q4k_pack's: sc and m uint8 [T, K/32, 2, 16], d and dmin fp16 [T, K/256, 2, 16]
-struct KScales {
-  static constexpr int64_t kPerSuper = 8;  // 32-weight blocks per d
-  const uint8_t* sm;
-  const fp16* dd;
-  int64_t nb;
-  int64_t small(int64_t t, int64_t b, int which) const { return ((t * nb + b) * 2 + which) * kTile; }
-  int64_t super(int64_t t, int64_t b, int which) const {
-    return ((t * (nb / kPerSuper) + b / kPerSuper) * 2 + which) * kTile;
-  }
+struct KScales : q4_scales::Factors {
   vf scale(int64_t t, int64_t b, int r) const {
     return load_half(dd + super(t, b, 0) + r * kW) * load_u8(sm + small(t, b, 0) + r * kW);
   }
   vf offset(int64_t t, int64_t b, int r) const {
     return -(load_half(dd + super(t, b, 1) + r * kW) * load_u8(sm + small(t, b, 1) + r * kW));
-  }
-  float scale1(int64_t t, int64_t b, int64_t i) const {
-    return static_cast<float>(dd[super(t, b, 0) + i]) * static_cast<float>(sm[small(t, b, 0) + i]);
-  }
-  float offset1(int64_t t, int64_t b, int64_t i) const {
-    return -(static_cast<float>(dd[super(t, b, 1) + i]) * static_cast<float>(sm[small(t, b, 1) + i]));
   }
 };
 
@@ -484,7 +464,7 @@ void asyncllm::q4_block_sums_f32(const float* x, int64_t m_rows, int64_t k, floa
 
 void asyncllm::q4_tile_rows_f32(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
                                 const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
-  q4_tile_all_rows(x, sx, m_rows, k, codes, HalfScales{scales, offsets, k / kBlock}, y, n_out, t, true);
+  q4_tile_all_rows(x, sx, m_rows, k, codes, HalfScales{{scales, offsets, k / kBlock}}, y, n_out, t, true);
 }
 
 bool quant_gemv_f32_vectorized() { return kVectorized; }
@@ -529,9 +509,9 @@ torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     at::parallel_for(0, tiles, grain(kTile * k / 2), task);
   };
   if (k_form)
-    run(KScales{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb});
+    run(KScales{{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb}});
   else
-    run(HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb});
+    run(HalfScales{{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb}});
   return y;
 }
 
