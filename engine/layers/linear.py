@@ -218,7 +218,7 @@ class RowTiles:
         # tiles); a 64-row step costs ~1.4x the tile's.
         self.decode_loop = decode_loop
         self.decode_blocks = decode_blocks
-        self.loop = self.blocks = False
+        self.loop = self.use_blocks = False
 
     @classmethod
     def for_weights(cls, dtype: torch.dtype, device: torch.device) -> RowTiles:
@@ -232,7 +232,7 @@ class RowTiles:
     def select(self, decode_like: bool) -> None:
         self.rows = self.decode if decode_like else self.extend
         self.loop = decode_like and self.decode_loop
-        self.blocks = decode_like and self.decode_blocks
+        self.use_blocks = decode_like and self.decode_blocks
 
 
 class BatchInvariantLinear(nn.Module):
@@ -262,7 +262,7 @@ class BatchInvariantLinear(nn.Module):
         self.output_sizes = inner.output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles.blocks and self.blocks is not None:
+        if self.tiles.use_blocks and self.blocks is not None:
             out = self.blocks.matmul(x)
             return out if self.bias is None else out + self.bias
         if self.tiles.loop and isinstance(self.inner, DenseLinear):
