@@ -106,6 +106,29 @@ def _side_time(
     return time.perf_counter() - start
 
 
+def _eviction_buffer(quantized_bytes: int) -> torch.Tensor | None:
+    """A buffer twice the last-level cache when the timed forms fit in it (cold_cache_prefix took
+    them all), read before each timed pass; None when they overflow the cache on their own."""
+    twice_llc = 2 * last_level_cache_bytes()
+    return torch.ones(twice_llc // 4, dtype=torch.float32) if quantized_bytes < twice_llc else None
+
+
+def _best_times(
+    a: tuple[Sequence[Callable[[torch.Tensor], torch.Tensor]], Sequence[torch.Tensor]],
+    b: tuple[Sequence[Callable[[torch.Tensor], torch.Tensor]], Sequence[torch.Tensor]],
+    evict: torch.Tensor | None,
+) -> tuple[float, float]:
+    """The best of REPEATS alternating passes of side a and side b (functions, inputs), after one
+    warm-up pass each (first calls at a new shape allocate and plan)."""
+    _side_time(*a, None)
+    _side_time(*b, None)
+    t_a = t_b = float("inf")
+    for _ in range(REPEATS):
+        t_a = min(t_a, _side_time(*a, evict))
+        t_b = min(t_b, _side_time(*b, evict))
+    return t_a, t_b
+
+
 def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = torch.bfloat16) -> int:
     """The largest row count for which the int4 kernel is faster than the dense forms, summed over
     (a cache-defeating prefix of) `linears` with `dtype` inputs (the model's); 0 when the int4
@@ -119,20 +142,13 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
     gen = torch.Generator().manual_seed(0)
     int4_fns = [m.packed.matmul for m in chosen]
     dense_fns = [m.big for m in chosen]
-    twice_llc = 2 * last_level_cache_bytes()
-    cached = sum(m.packed.nbytes for m in chosen) < twice_llc  # cold_cache_prefix took them all
-    evict = torch.ones(twice_llc // 4, dtype=torch.float32) if cached else None
+    evict = _eviction_buffer(sum(m.packed.nbytes for m in chosen))
     prev_rows, prev_gain, result = 0, 0.0, CANDIDATE_ROWS[-1]
     with torch.inference_mode():
         for rows in CANDIDATE_ROWS:
             inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
             xs = [inputs[m.in_features] for m in chosen]
-            _side_time(int4_fns, xs, None)  # warm-up: first calls at a new shape allocate and plan
-            _side_time(dense_fns, xs, None)
-            t_int4 = t_dense = float("inf")
-            for _ in range(REPEATS):
-                t_int4 = min(t_int4, _side_time(int4_fns, xs, evict))
-                t_dense = min(t_dense, _side_time(dense_fns, xs, evict))
+            t_int4, t_dense = _best_times((int4_fns, xs), (dense_fns, xs), evict)
             gain = (1.0 - REQUIRED_WIN) * t_dense - t_int4
             if gain <= 0:  # the zero of the gain, linear between the last win and this loss
                 result = prev_rows + int((rows - prev_rows) * prev_gain / (prev_gain - gain)) if prev_rows else 0
@@ -146,7 +162,7 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
         str(dtype).removeprefix("torch."),
         result,
         len(chosen),
-        " cold" if cached else "",
+        " cold" if evict is not None else "",
         time.perf_counter() - started,
         torch.get_num_threads(),
     )
@@ -169,21 +185,14 @@ def blocks_beat_padded_tiles(linears: Sequence[BatchInvariantLinear], dtype: tor
     if key in _cache:
         return bool(_cache[key])
     gen = torch.Generator().manual_seed(0)
-    twice_llc = 2 * last_level_cache_bytes()
-    cached = sum(m.blocks.nbytes for m in chosen) < twice_llc
-    evict = torch.ones(twice_llc // 4, dtype=torch.float32) if cached else None
+    evict = _eviction_buffer(sum(m.blocks.nbytes for m in chosen))
     inputs = {k: torch.randn(tile, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
     full = [inputs[m.in_features] for m in chosen]
     half = [x[: max(1, tile // 2)] for x in full]
-    block_fns = [m.blocks.matmul for m in chosen]
-    tile_fns = [m.inner for m in chosen]
     with torch.inference_mode():
-        _side_time(block_fns, half, None)  # warm-up
-        _side_time(tile_fns, full, None)
-        t_blocks = t_tiles = float("inf")
-        for _ in range(REPEATS):
-            t_blocks = min(t_blocks, _side_time(block_fns, half, evict))
-            t_tiles = min(t_tiles, _side_time(tile_fns, full, evict))
+        t_blocks, t_tiles = _best_times(
+            ([m.blocks.matmul for m in chosen], half), ([m.inner for m in chosen], full), evict
+        )
     log.info(
         "deterministic decode: block loops %.2f ms at %d rows, %d-row tiles %.2f ms: %s",
         1e3 * t_blocks,
