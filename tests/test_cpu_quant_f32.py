@@ -107,8 +107,8 @@ def test_bad_inputs_are_refused_not_read_out_of_bounds():
         cpu_quant.q4_gemv(torch.randn(0, 64), packed)
     with pytest.raises(RuntimeError, match="bf16"):  # neither fp32 nor bf16: the bf16 loops refuse it
         cpu_quant.q4_gemv(torch.randn(1, 64).half(), packed)
-    with pytest.raises(RuntimeError, match=r"codes int8 \[N, K\]"):
-        cpu_quant.q8_gemv(torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2).half())
+    with pytest.raises(RuntimeError, match=r"codes int8 \[N, K\]"):  # (uint8 codes are the bf16 loops' lane order)
+        cpu_quant.q8_gemv(torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.int16), torch.ones(4, 2).half())
     with pytest.raises(RuntimeError, match="fp16 scales"):
         cpu_quant.q8_gemv(torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3).half())
 

@@ -99,10 +99,16 @@ def test_bad_inputs_are_refused_not_read_out_of_bounds():
         cpu_quant.q4_gemv(torch.randn(1, 128).to(torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="bf16"):  # fp32 x has its own loops (test_cpu_quant_f32.py)
         cpu_quant.q4_gemv(torch.randn(1, 64).half(), packed)
-    with pytest.raises(RuntimeError, match="int8 codes"):
+    with pytest.raises(RuntimeError, match="lane-order codes are Q6_K's or Q5_K's"):  # Q8_0 codes are int8
         cpu_quant.q8_gemv(
             torch.randn(1, 64).to(torch.bfloat16), torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2).half()
         )
+    lanes = cpu_quant.q8_lanes_pack(torch.zeros(4, 256, dtype=torch.int8), cpu_quant.Q6_K)
+    sc, d = torch.ones(4, 16, dtype=torch.int8), torch.ones(4, 1)
+    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):  # the lane order's loops are bf16 only
+        cpu_quant.q8_gemv(torch.randn(1, 256), lanes, sc, d)
+    with pytest.raises(RuntimeError, match="int8 scales"):
+        cpu_quant.q8_gemv(torch.randn(1, 256).bfloat16(), lanes, sc[:, :8].contiguous(), d)
 
 
 def test_q8_blocks_are_the_gguf_values(default_source):

@@ -147,9 +147,10 @@ def test_kernels_refuse_what_they_cannot_take():
 def test_bf16_models_run_the_k_forms(qtype):
     """A bf16 model keeps the K forms (before, Q4_K took torch's int4pack with its scales rounded
     to bf16, and Q5_K and Q6_K stayed dense), the same bytes as an fp32 model's. Q4_K runs the
-    bf16 4-bit loops with the factors multiplied where they are read: the plain loop and the
-    vector one (AVX512-BF16) each equal the float64 product to the output's bf16 rounding, and
-    each other to a bf16 step. Q5_K and Q6_K run the fp32 loops on x widened: the fp32 result
+    bf16 4-bit loops with the factors multiplied where they are read; Q5_K and Q6_K, on CPUs with
+    AVX512-BF16, the bf16 dot-product loops over their codes in lane order: the plain loop and the
+    vector one each equal the float64 product to the output's bf16 rounding, and each other to a
+    bf16 step. Without AVX512-BF16, Q5_K and Q6_K run the fp32 loops on x widened: the fp32 result
     rounded once."""
     if qtype == Q4_K and not cpu_quant.vectorized(torch.bfloat16):
         pytest.skip("no AVX512-BF16 build: a bf16 model runs Q4_K through torch's int4pack")
@@ -159,21 +160,62 @@ def test_bf16_models_run_the_k_forms(qtype):
     blocks = READERS[qtype](kquant_bytes(qtype, n, k, np.random.default_rng(4)), (n, k))
     form, form32 = blocks.pack(torch.bfloat16), blocks.pack(torch.float32)
     assert type(form) is type(form32) and form.nbytes == form32.nbytes
+    lanes = qtype != Q4_K and cpu_quant.vectorized(torch.bfloat16)
+    if qtype != Q4_K:
+        assert form.codes.dtype == (torch.uint8 if lanes else torch.int8)
     w = blocks.dequantize().double()
     g = torch.Generator().manual_seed(0)
     for rows in (1, 3, 9):
         x = torch.randn(rows, k, generator=g).bfloat16()
         y = form.matmul(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-        if qtype != Q4_K:
+        if qtype != Q4_K and not lanes:
             assert torch.equal(y, form32.matmul(x.float()).bfloat16()), rows
             continue
-        assert form.tiles.k_form
-        plain = cpu_quant.q4_gemv(x, form.tiles, vector=False)
+        if qtype == Q4_K:
+            assert form.tiles.k_form
+            plain = cpu_quant.q4_gemv(x, form.tiles, vector=False)
+        else:
+            plain = cpu_quant.q8_gemv(x, form.codes, form.scales, form.supers, vector=False)
         exact = x.double() @ w.T
         for out in (y, plain):
             assert float((out.double() - exact).abs().max() / exact.abs().max()) < 5e-3, rows
         assert torch.allclose(y.float(), plain.float(), rtol=1 / 128, atol=1e-3 * plain.float().abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", [Q5_K, Q6_K])
+def test_lane_order_is_the_files_values(qtype):
+    """The lane-order form (the bf16 loops', csrc/cpu_quant_lanes.cpp) holds the file's values: its
+    plain loop, which runs on any CPU, equals the float64 product of the dequantized weight to the
+    output's bf16 rounding at every row count; the vector loop, where built, gives each row the
+    same bits in any batch (deterministic inference relies on it); codes out of the kind's range
+    are refused."""
+    n, k = 24, 768
+    blocks = READERS[qtype](kquant_bytes(qtype, n, k, np.random.default_rng(5)), (n, k))
+    kind = cpu_quant.Q6_K if qtype == Q6_K else cpu_quant.Q5_K
+    codes = cpu_quant.q8_lanes_pack(blocks.q, kind)
+    assert codes.dtype == torch.uint8 and codes.shape == (n, k)
+    f = blocks.k
+    if qtype == Q6_K:
+        scales, supers = f.sc.to(torch.int8).contiguous(), f.d.float().contiguous()
+    else:
+        scales = torch.stack([f.sc, f.m], dim=1).to(torch.uint8).contiguous()
+        supers = torch.stack([f.d, f.dmin], dim=1).float().contiguous()
+    w = blocks.dequantize().double()
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = x.double() @ w.T
+    for rows in (1, 2, 5, 8, 11):
+        plain = cpu_quant.q8_gemv(x[:rows], codes, scales, supers, vector=False)
+        assert float((plain.double() - exact[:rows]).abs().max() / exact[:rows].abs().max()) < 5e-3, rows
+    if cpu_quant.vectorized(torch.bfloat16):
+        batch = cpu_quant.q8_gemv(x, codes, scales, supers)
+        alone = torch.cat([cpu_quant.q8_gemv(x[i : i + 1], codes, scales, supers) for i in range(len(x))])
+        assert torch.equal(batch, alone)
+        assert float((batch.double() - exact).abs().max() / exact.abs().max()) < 5e-3
+    with pytest.raises(RuntimeError, match="out of the kind's range"):
+        cpu_quant.q8_lanes_pack(torch.full((2, 256), 40, dtype=torch.int8), kind)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        cpu_quant.q8_lanes_pack(blocks.q[:, :128].contiguous(), kind)
 
 
 # --- a Q4_K_M-like tiny Llama ------------------------------------------------------------------

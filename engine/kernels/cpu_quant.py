@@ -5,8 +5,10 @@ activations, csrc/cpu_quant_gemv_f32.cpp for fp32 ones).
 (Q4_0/Q4_1: code, fp16 scale and offset per 32 weights; Q4_K: the same codes, each scale and
 offset a 6-bit factor per 32 weights times an fp16 one per 256) or 8-bit (Q8_0: int8 code, fp16
 scale; Q6_K's 6-bit codes as int8, an int8 factor per 16 weights times a d per 256; Q5_K's 5-bit
-codes as int8 with Q4_K's factored scale and offset). Q5_K and Q6_K have fp32 loops only: a bf16 x
-is widened to fp32 and the result rounded to bf16 once.
+codes as int8 with Q4_K's factored scale and offset). The 8-bit forms run fp32 loops over their
+codes in natural order, for a bf16 x too (widened, the result rounded to bf16 once); Q6_K and Q5_K
+also have bf16 dot-product loops over their codes in lane order (`q8_lanes_pack`,
+csrc/cpu_quant_lanes.cpp), which bf16 models take on CPUs with AVX512-BF16.
 A decode step of a small model reads each weight once, so its time is the bytes it reads over the
 memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bound (torch's
 int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
@@ -31,6 +33,8 @@ from engine.kernels.cpu_extension import load, module_or_raise
 __all__ = [
     "BLOCK",
     "CHUNK",
+    "Q5_K",
+    "Q6_K",
     "SUPER",
     "TILE",
     "Q4Packed",
@@ -39,6 +43,7 @@ __all__ = [
     "q4_pack",
     "q4k_pack",
     "q8_gemv",
+    "q8_lanes_pack",
     "vectorized",
 ]
 
@@ -141,18 +146,23 @@ def q4_gemv(x: torch.Tensor, w: Q4Packed, vector: bool = True) -> torch.Tensor:
     return fn(x, w.codes, w.scales, w.offsets, w.out_features, vector)
 
 
+Q6_K, Q5_K = 0, 1  # the kinds' numbers in csrc/cpu_quant_lanes.cpp
+
+
+def q8_lanes_pack(codes: torch.Tensor, kind: int) -> torch.Tensor:
+    """int8 codes [N, K] of Q6_K (q - 32) or Q5_K (0..31) -> the bf16 loops' form: uint8 codes
+    u = q + 32 or q, each 256 weights in lane order (csrc/cpu_quant_lanes.cpp). K: a multiple of 256."""
+    return module_or_raise().q8_lanes_pack(codes, kind)
+
+
 def q8_gemv(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor | None = None, vector: bool = True
 ) -> torch.Tensor:
-    """bf16 or fp32 `[M, K] @ W.T` -> `[M, N]` of x's dtype, W[n, k] = scales[n, k/32] * codes[n, k]
-    (Q8_0: fp16 scales); with `supers` (fp32 loops, a bf16 x widened): Q6_K, W[n, k] = supers[n, k/256] *
-    scales[n, k/16] * codes[n, k] (int8 scales, fp32 supers), or Q5_K, W[n, k] = d * sc * codes[n,
-    k] - dmin * m (uint8 scales [N, 2, K/32]: sc, m per 32 weights; fp32 supers [N, 2, K/256]: d,
-    dmin). `vector=False` runs the plain loops (the tests' reference)."""
-    module = module_or_raise()
-    if supers is not None and scales.dtype == torch.uint8:
-        return module.q5k_gemv_f32(x, codes, scales, supers, vector)
-    if supers is not None:
-        return module.q6_gemv_f32(x, codes, scales, supers, vector)
-    fn = module.q8_gemv_f32 if x.dtype == torch.float32 else module.q8_gemv
-    return fn(x, codes, scales, vector)
+    """`[M, K] @ W.T` -> `[M, N]` of x's dtype for 8-bit blocks, the kind named by `scales`: fp16
+    [N, K/32] Q8_0 (W = scales * codes per 32 weights); int8 [N, K/16] with `supers` d [N, K/256]
+    Q6_K (W = d * scales * codes per 16); uint8 [N, 2, K/32] (sc, m) with `supers` [N, 2, K/256]
+    (d, dmin) Q5_K (W = d * sc * codes - dmin * m per 32). Codes int8 [N, K] in natural order run
+    the fp32 loops (a bf16 x widened, the result rounded once); Q6_K's and Q5_K's uint8 codes from
+    `q8_lanes_pack` run the bf16 dot-product loops (a bf16 x only). `vector=False` runs the plain loops (the
+    tests' reference; for fp32 the same sums in the same order, so equal to the bit)."""
+    return module_or_raise().q8_blocks_gemv(x, codes, scales, supers, vector)

@@ -21,15 +21,12 @@ torch::Tensor argmax_rows(torch::Tensor x);
 bool quant_gemv_vectorized();
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+torch::Tensor q8_lanes_pack(torch::Tensor codes, int64_t kind);
+torch::Tensor q8_blocks_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                             std::optional<torch::Tensor> supers, bool vectorized);
 bool quant_gemv_f32_vectorized();
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out, bool vectorized);
-torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
-torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
-                          bool vectorized);
-torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
-                           bool vectorized);
 torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
@@ -60,21 +57,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of bf16 [T, NH, D] heads");
   m.def("argmax_rows", &argmax_rows, "argmax of each bf16/fp32 row (torch.argmax(dim=-1)'s answer)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("quant_gemv_vectorized", &quant_gemv_vectorized, "whether q4_gemv/q8_gemv run their vector loops here");
+  m.def("quant_gemv_vectorized", &quant_gemv_vectorized, "whether q4_gemv and the lane-order 8-bit loops run vectorized here");
   // the quantized products and the fused layers release the GIL: the event loop runs meanwhile
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemv_f32", &gemv_f32, "fp32 x [M <= 8, K] @ W.T (+ b), W streamed once (engine/kernels/cpu_gemv.py)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("q8_gemv", &q8_gemv, "bf16 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
+  m.def("q8_lanes_pack", &q8_lanes_pack, "int8 codes of an 8-bit kind (0 Q8_0, 1 Q6_K, 2 Q5_K) in lane order");
+  m.def("q8_blocks_gemv", &q8_blocks_gemv,
+        "x [M, K] @ W.T, W in 8-bit blocks: lane order (uint8 codes, bf16 x) or natural (int8 codes, fp32 loops)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("supers"), py::arg("vectorized"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("quant_gemv_f32_vectorized", &quant_gemv_f32_vectorized,
-        "whether q4_gemv_f32/q8_gemv_f32 run their vector loops here (AVX2+FMA+F16C or AVX-512F)");
+        "whether q4_gemv_f32 and the natural-order 8-bit loops run vectorized here (AVX2+FMA+F16C or AVX-512F)");
   m.def("q4_gemv_f32", &q4_gemv_f32, "fp32 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("q8_gemv_f32", &q8_gemv_f32, "fp32 x [M, K] @ W.T, W in Q8_0 blocks", py::call_guard<py::gil_scoped_release>());
-  m.def("q5k_gemv_f32", &q5k_gemv_f32, "fp32 x [M, K] @ W.T, W in Q5_K's values (int8 codes, factored scales and mins)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("q6_gemv_f32", &q6_gemv_f32, "fp32 x [M, K] @ W.T, W in Q6_K's values (int8 codes, two-level scales)",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());

@@ -44,14 +44,10 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
+torch::Tensor q8_blocks_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                             std::optional<torch::Tensor> supers, bool vectorized);
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out, bool vectorized);
-torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized);
-torch::Tensor q6_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
-                          bool vectorized);
-torch::Tensor q5k_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor supers,
-                           bool vectorized);
 torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 namespace asyncllm {
@@ -60,7 +56,7 @@ namespace {
 
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
                       const std::optional<torch::Tensor>& bias, int64_t tile_rows, int64_t small_rows) {
-  const bool q8 = parts.size() > 1 && parts[0].scalar_type() == torch::kChar;  // 8-bit codes are int8
+  const bool q8 = parts.size() > 1 && parts[0].dim() == 2;  // 8-bit codes are [N, K], 4-bit tiles 4-D
   // Q6_K (int8 scales) and Q5_K (uint8 sc and m) have a third tensor, their d's
   const bool q6 = q8 && (parts[1].scalar_type() == torch::kChar || parts[1].scalar_type() == torch::kByte);
   const size_t quant = q8 && !q6 ? 2 : 3;  // tensors of the quantized form
@@ -140,11 +136,8 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
-    if (w.q8 && w.offsets.defined())  // Q6_K or Q5_K (a bf16 x runs their fp32 loops: cpu_quant.q8_gemv)
-      out = w.scales.scalar_type() == torch::kByte ? q5k_gemv_f32(xc, w.codes, w.scales, w.offsets, true)
-                                                   : q6_gemv_f32(xc, w.codes, w.scales, w.offsets, true);
-    else if (w.q8)
-      out = f32 ? q8_gemv_f32(xc, w.codes, w.scales, true) : q8_gemv(xc, w.codes, w.scales, true);
+    if (w.q8)  // cpu_quant.q8_gemv: lane order for a bf16 x, else the fp32 loops
+      out = q8_blocks_gemv(xc, w.codes, w.scales, optional(w.offsets), true);
     else
       out = f32 ? q4_gemv_f32(xc, w.codes, w.scales, w.offsets, w.out_features, true)
                 : q4_gemv(xc, w.codes, w.scales, w.offsets, w.out_features, true);

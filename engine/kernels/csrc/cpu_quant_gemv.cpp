@@ -1,5 +1,6 @@
 // Block-quantized matrix-vector products for small batches on CPUs: y = x @ W.T with W kept in a
-// GGUF file's own blocks (4-bit Q4_0/Q4_1, 8-bit Q8_0), x bf16 [M, K] with M a handful of rows.
+// GGUF file's own 4-bit blocks (Q4_0/Q4_1, Q4_K), x bf16 [M, K] with M a handful of rows. (The
+// 8-bit blocks' bf16 loops are in cpu_quant_lanes.cpp.)
 //
 // Why: a decode step of a small model reads every weight once per step, so it is bound by memory
 // bandwidth; torch's int4pack CPU kernel unpacks each weight to fp32 and reaches ~16 GB/s on one
@@ -19,15 +20,12 @@
 // costs two FMAs per block for all 16 rows. Scales d and offsets m stay fp16, exactly as the file
 // stores them (Q4_0's m = -8 d is exact too), laid out [t][b][16 rows].
 //
-// 8-bit layout: the Q8_0 codes int8 [N, K] and fp16 scales [N, K/32]: each 16 codes widen to
-// int32, convert to fp32 exactly and meet x (fp32) in an FMA; one more FMA applies the block scale.
-//
 // 4-bit K form (llama.cpp's Q4_K, q4k_pack): the same codes, each block's d and m made from two
 // factors (a 6-bit integer per block, an fp16 per 256 weights; exact in fp32) where the loop reads
 // them, so Q4_K runs at the fp16 form's speed on 2 fewer scale bytes per row and block.
 //
-// Both accumulate in fp32 and round the result to bf16 once. Without AVX512-BF16 (q4) or AVX-512
-// (q8) the same arithmetic runs as plain loops: correct everywhere, fast where the engine uses it
+// Both accumulate in fp32 and round the result to bf16 once. Without AVX512-BF16 the same
+// arithmetic runs as plain loops: correct everywhere, fast where the engine uses it
 // (`quant_gemv_vectorized()` tells the Python side which).
 
 #include <torch/extension.h>
@@ -208,96 +206,9 @@ void q4_rows(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const ui
 }
 #endif
 
-// ---- 8-bit ----------------------------------------------------------------------------------
-
-void q8_rows_scalar(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
-                    int64_t n_total, int64_t n0, int64_t n1) {
-  const int64_t nb = k / kBlock;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < m_rows; ++m) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        float s = 0.0f;
-        for (int64_t j = 0; j < kBlock; ++j)
-          s += x[m * k + b * kBlock + j] * static_cast<float>(codes[n * k + b * kBlock + j]);
-        acc += static_cast<float>(scales[n * nb + b]) * s;
-      }
-      y[m * n_total + n] = static_cast<bf16>(acc);
-    }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-constexpr bool kQ8Vectorized = true;
-
-template <int M, int R>
-void q8_tile(const float* x, int64_t k, const int8_t* codes, const fp16* scales, bf16* y, int64_t n_total,
-             int64_t n) {
-  const int64_t nb = k / kBlock;
-  alignas(64) float ds[R][kMaxBlocks];
-  __m512 acc[M][R];
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < nb; b += 16) {  // fp16 scales to fp32, 16 per instruction
-      const __mmask16 live = b + 16 <= nb ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
-      _mm512_store_ps(ds[r] + b, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scales + (n + r) * nb + b)));
-    }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0[R], w1[R], d[R];
-    for (int r = 0; r < R; ++r) {
-      const int8_t* p = codes + (n + r) * k + b * kBlock;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
-      w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-      d[r] = _mm512_set1_ps(ds[r][b]);
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m512 x0 = _mm512_loadu_ps(x + m * k + b * kBlock), x1 = _mm512_loadu_ps(x + m * k + b * kBlock + 16);
-      for (int r = 0; r < R; ++r)
-        acc[m][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(w1[r], x1, _mm512_mul_ps(w0[r], x0)), d[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * n_total + n + r] = static_cast<bf16>(_mm512_reduce_add_ps(acc[m][r]));
-}
-
-template <int M>
-void q8_rows_m(const float* x, int64_t k, const int8_t* codes, const fp16* scales, bf16* y, int64_t n_total,
-               int64_t n0, int64_t n1) {
-  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) q8_tile<M, R>(x, k, codes, scales, y, n_total, n);
-  for (; n < n1; ++n) q8_tile<M, 1>(x, k, codes, scales, y, n_total, n);
-}
-
-void q8_rows(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
-             int64_t n_total, int64_t n0, int64_t n1) {
-  switch (m_rows) {
-#define Q8_CASE(M) \
-  case M: return q8_rows_m<M>(x, k, codes, scales, y, n_total, n0, n1);
-    Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8)
-#undef Q8_CASE
-  }
-}
-#else
-constexpr bool kQ8Vectorized = false;
-
-void q8_rows(const float* x, int64_t m_rows, int64_t k, const int8_t* codes, const fp16* scales, bf16* y,
-             int64_t n_total, int64_t n0, int64_t n1) {
-  q8_rows_scalar(x, m_rows, k, codes, scales, y, n_total, n0, n1);
-}
-#endif
-
-// Output rows (q8) or tiles (q4) per parallel task: ~256 KB of weights, so a decode step's
+// Tiles per parallel task: ~256 KB of weights, so a decode step's
 // projections split across threads while a single-threaded forward runs them inline.
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1)); }
-
-void check_blocks(const torch::Tensor& codes, const torch::Tensor& scales, int64_t n, int64_t nb, const char* op) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.is_contiguous() && codes.dim() == 2, op, ": codes [N, *] on the CPU");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == n && scales.size(1) == nb,
-              op, ": fp16 scales [N, K/32]");
-}
 
 void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
               const torch::Tensor& offsets, int64_t n_out, const char* op) {
@@ -324,7 +235,10 @@ void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
 
 }  // namespace
 
-bool quant_gemv_vectorized() { return kQ4Vectorized && kQ8Vectorized; }
+bool q8_lanes_vectorized();
+
+// The bf16 block loops, 4-bit here and 8-bit in lane order, both run vectorized here.
+bool quant_gemv_vectorized() { return kQ4Vectorized && q8_lanes_vectorized(); }
 
 // y [M, n_out] bf16 = x [M, K] @ W.T, W in q4_pack's layout: codes uint8 [T, K/32, 8, 32], fp16
 // scales and offsets [T, K/32, 16] (T = ceil(n_out / 16) tiles; rows past n_out are padding); or
@@ -362,33 +276,5 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
     run(KScales{{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb}});
   else
     run(HalfScales{{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), nb}});
-  return y;
-}
-
-// y [M, N] bf16 = x [M, K] @ W.T, W = Q8_0 blocks (codes int8 [N, K], fp16 scales [N, K/32]).
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool vectorized) {
-  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0), nb = k / kBlock;
-  check_x(x, k, "q8_gemv");
-  TORCH_CHECK(codes.scalar_type() == torch::kChar, "q8_gemv: int8 codes");
-  check_blocks(codes, scales, n, nb, "q8_gemv");
-  auto y = torch::empty({rows, n}, x.options());
-  const auto xf = x.to(torch::kFloat);
-  const auto* cp = codes.data_ptr<int8_t>();
-  const auto* sp = scales.data_ptr<at::Half>();
-  auto groups = [&](int64_t n0, int64_t n1) {  // as q4_gemv: a task's rows stay in L2 across groups
-    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
-      const float* xp = xf.data_ptr<float>() + m0 * k;
-      bf16* yp = y.data_ptr<bf16>() + m0 * n;
-      if (vectorized)
-        q8_rows(xp, m_rows, k, cp, sp, yp, n, n0, n1);
-      else
-        q8_rows_scalar(xp, m_rows, k, cp, sp, yp, n, n0, n1);
-    }
-  };
-  if (vectorized)
-    at::parallel_for(0, n, grain(k), groups);
-  else
-    groups(0, n);
   return y;
 }

@@ -33,8 +33,8 @@
 // a d per 256 (the file's fp16, held in fp32; the product is exact), so each 16-weight block is
 // scaled as a Q8_0 block is.
 //
-// bf16 models: Q5_K and Q6_K have no loops of their own for bf16 activations (Q4_K's K form has,
-// in cpu_quant_gemv.cpp). Their entry points here take a bf16 x too: it widens to fp32 (exact),
+// bf16 models on CPUs without AVX512-BF16 (where the 8-bit blocks have no lane-order form,
+// cpu_quant_lanes.cpp): the 8-bit entry points here take a bf16 x too: it widens to fp32 (exact),
 // the fp32 loops run, and the result is rounded to bf16 once, as the bf16 loops round theirs. The
 // extra conversions touch M x K and M x N values, nothing beside the weights' read.
 //
@@ -522,8 +522,10 @@ torch::Tensor q8_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == n && scales.size(1) == nb,
               "q8_gemv_f32: fp16 scales [N, K/32]");
-  check_x(x, k, "q8_gemv_f32");
-  return q8_form_gemv(x, codes, Q8Scales{scales.data_ptr<at::Half>(), nb}, vectorized);
+  return through_fp32(x, [&](const torch::Tensor& xf) {
+    check_x(xf, k, "q8_gemv_f32");
+    return q8_form_gemv(xf, codes, Q8Scales{scales.data_ptr<at::Half>(), nb}, vectorized);
+  });
 }
 
 // y [M, N] fp32 = x [M, K] @ W.T, W = Q6_K's values as codes int8 [N, K] (q - 32), int8 scales
