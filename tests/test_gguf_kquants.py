@@ -146,7 +146,8 @@ def test_kernels_refuse_what_they_cannot_take():
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
 def test_bf16_models_run_the_k_forms(qtype):
     """A bf16 model keeps the K forms (before, Q4_K took torch's int4pack with its scales rounded
-    to bf16, and Q5_K and Q6_K stayed dense), the same bytes as an fp32 model's. Q4_K runs the
+    to bf16, and Q5_K and Q6_K stayed dense), the same bytes as an fp32 model's or, Q5_K and Q6_K in
+    lane order, the file's 5 and 6 bits a weight. Q4_K runs the
     bf16 4-bit loops with the factors multiplied where they are read; Q5_K and Q6_K, on CPUs with
     AVX512-BF16, the bf16 dot-product loops over their codes in lane order: the plain loop and the
     vector one each equal the float64 product to the output's bf16 rounding, and each other to a
@@ -159,8 +160,12 @@ def test_bf16_models_run_the_k_forms(qtype):
     n, k = 40, 512
     blocks = READERS[qtype](kquant_bytes(qtype, n, k, np.random.default_rng(4)), (n, k))
     form, form32 = blocks.pack(torch.bfloat16), blocks.pack(torch.float32)
-    assert type(form) is type(form32) and form.nbytes == form32.nbytes
     lanes = qtype != Q4_K and cpu_quant.vectorized(torch.bfloat16)
+    assert type(form) is type(form32) and form.in_features == k
+    if lanes:  # the file's bits: 6 or 5 a weight, where the fp32 loops hold 8
+        assert form.nbytes == form32.nbytes - n * k * (2 if qtype == Q6_K else 3) // 8
+    else:
+        assert form.nbytes == form32.nbytes
     if qtype != Q4_K:
         assert form.codes.dtype == (torch.uint8 if lanes else torch.int8)
     w = blocks.dequantize().double()
@@ -185,7 +190,8 @@ def test_bf16_models_run_the_k_forms(qtype):
 
 @pytest.mark.parametrize("qtype", [Q5_K, Q6_K])
 def test_lane_order_is_the_files_values(qtype):
-    """The lane-order form (the bf16 loops', csrc/cpu_quant_lanes.cpp) holds the file's values: its
+    """The lane-order form (the bf16 loops', csrc/cpu_quant_lanes.cpp) holds the file's values at
+    its bits a weight: its
     plain loop, which runs on any CPU, equals the float64 product of the dequantized weight to the
     output's bf16 rounding at every row count; the vector loop, where built, gives each row the
     same bits in any batch (deterministic inference relies on it); codes out of the kind's range
@@ -194,7 +200,7 @@ def test_lane_order_is_the_files_values(qtype):
     blocks = READERS[qtype](kquant_bytes(qtype, n, k, np.random.default_rng(5)), (n, k))
     kind = cpu_quant.Q6_K if qtype == Q6_K else cpu_quant.Q5_K
     codes = cpu_quant.q8_lanes_pack(blocks.q, kind)
-    assert codes.dtype == torch.uint8 and codes.shape == (n, k)
+    assert codes.dtype == torch.uint8 and codes.shape == (n, k // 256 * (192 if qtype == Q6_K else 160))  # 6, 5 bits
     f = blocks.k
     if qtype == Q6_K:
         scales, supers = f.sc.to(torch.int8).contiguous(), f.d.float().contiguous()

@@ -150,8 +150,9 @@ Q6_K, Q5_K = 0, 1  # the kinds' numbers in csrc/cpu_quant_lanes.cpp
 
 
 def q8_lanes_pack(codes: torch.Tensor, kind: int) -> torch.Tensor:
-    """int8 codes [N, K] of Q6_K (q - 32) or Q5_K (0..31) -> the bf16 loops' form: uint8 codes
-    u = q + 32 or q, each 256 weights in lane order (csrc/cpu_quant_lanes.cpp). K: a multiple of 256."""
+    """int8 codes [N, K] of Q6_K (q - 32) or Q5_K (0..31) -> the bf16 loops' form: codes u = q + 32
+    or q, each 256 weights in lane order at 6 or 5 bits a weight, uint8 [N, K / 256 * (192 or 160)]
+    (csrc/cpu_quant_lanes.cpp). K: a multiple of 256."""
     return module_or_raise().q8_lanes_pack(codes, kind)
 
 

@@ -16,8 +16,8 @@ dense fp32 head's 32. Q5_K (Q5_K_M's layers) likewise: 5-bit codes as int8 with 
 scale and offset per 32 weights, 8.75 bits. Q5_0 (codes q - 16, an fp16 d per 32) is Q8_0's form
 as it is. These forms run the fp32 loops, for bf16 models too (x widened, the result rounded
 once), except Q6_K and Q5_K in a bf16 model on a CPU with AVX512-BF16: their codes are kept in
-lane order for the bf16 dot-product loops (csrc/cpu_quant_lanes.cpp), 1.1-1.6x the fp32 loops'
-speed.
+lane order at their file's 6 or 5 bits a weight for the bf16 dot-product loops
+(csrc/cpu_quant_lanes.cpp).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class Q8Weight:
     """Q8_0 blocks as our kernel reads them: int8 codes [N, K], fp16 scales [N, K // 32]; Q6_K's:
     int8 scales [N, K // 16] and `supers`, d [N, K // 256] (fp16 values, held in fp32); Q5_K's:
     uint8 scales [N, 2, K // 32] (sc, m), supers [N, 2, K // 256] (d, dmin). Q6_K's and Q5_K's
-    codes are uint8 in lane order where a bf16 model runs the bf16 loops (cpu_quant.q8_lanes_pack)."""
+    codes are packed uint8 in lane order (6 or 5 bits a weight) where a bf16 model runs the bf16
+    loops (cpu_quant.q8_lanes_pack)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -118,6 +119,8 @@ class Q8Weight:
 
     @property
     def in_features(self) -> int:
+        if self.codes.dtype == torch.uint8:  # lane order: 6 or 5 bits a weight; K from the scales
+            return self.scales.shape[-1] * (Q6_GROUP if self.scales.dtype == torch.int8 else cpu_quant.BLOCK)
         return self.codes.shape[1]
 
     @property

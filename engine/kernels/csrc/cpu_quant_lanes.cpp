@@ -1,5 +1,5 @@
 // Q6_K and Q5_K blocks for bf16 activations: y = x @ W.T with AVX512-BF16 dot products, x bf16
-// [M, K] with M a handful of rows, W's codes held at a byte a weight in "lane order".
+// [M, K] with M a handful of rows, W's codes in "lane order" at the file's 6 or 5 bits a weight.
 //
 // Why: the fp32 loops (cpu_quant_gemv_f32.cpp) widen every code to fp32 and spend two conversions,
 // a multiply and two FMAs on each 32 weights, so a bf16 decode step of a Q4_K_M file (Q6_K head,
@@ -17,7 +17,10 @@
 // then sums weights of one block only, through the 8 vectors in one chain, and one FMA applies
 // the 16 lanes' scales. x is put in the same order once per call.
 //
-// Codes are stored unsigned, u = q + 32 (Q6_K, 0..63) or q (Q5_K, 0..31), so sum((128 + u) x)
+// Codes are stored unsigned (`group_bytes`: low nibbles, then the high bits), u = q + 32 (Q6_K,
+// 0..63) or q (Q5_K, 0..31); a few shifts and two ternary-logic ops per vector put u | 0x4300 in
+// 16-bit lanes. Held at 8 bits (the fp32 loops' int8), Q6_K read 31% more bytes than the file
+// holds, which a single stream pays in full. sum((128 + u) x)
 // over a lane is its dot product plus a bias (160 or 128) times its sum of x, S: each chain starts
 // from -bias * S (summed with x's reordering) and ends as sum(q x). Q5_K's offsets (-dmin m per
 // 32 weights) meet S in a second FMA.
@@ -56,11 +59,26 @@ constexpr int64_t kPrefetchBytes = 8192;  // as cpu_quant_gemv.cpp: a cold read'
 enum Kind { kQ6 = 0, kQ5 = 1 };
 
 struct KindInfo {
-  int block;   // weights per scale
-  int bias;    // u - q
+  int block;    // weights per scale
+  int bias;     // u - q
   float chain;  // the chain's start is -chain * S (128 + bias)
+  int hi_bits;  // u's bits above its low nibble
 };
-constexpr KindInfo kInfo[2] = {{16, 32, 160.0f}, {32, 0, 128.0f}};
+constexpr KindInfo kInfo[2] = {{16, 32, 160.0f, 2}, {32, 0, 128.0f, 1}};
+
+// Bytes of a group's codes: its 256 low nibbles (128 bytes: vector j's lane pair i in byte
+// 32 (j / 2) + i, low half for even j), then the high bits (32 bytes per 8 / hi_bits vectors:
+// vector j's in byte 32 (j / per) + i at bit (j % per) * hi_bits), so 6 (Q6_K) or 5 (Q5_K) bits a
+// weight as in the file, and a vector's codes come from two 32-byte loads shared with its neighbours.
+constexpr int group_bytes(int kind) { return kGroup / 2 + kVec * kInfo[kind].hi_bits; }
+
+// Code u at lane-order position `at` of the group at gp.
+inline int code_at(const uint8_t* gp, int hi_bits, int at) {
+  const int j = at / kVec, i = at % kVec, per = 8 / hi_bits;
+  const int lo = (gp[kVec * (j / 2) + i] >> (4 * (j % 2))) & 0xF;
+  const int hi = (gp[kGroup / 2 + kVec * (j / per) + i] >> ((j % per) * hi_bits)) & ((1 << hi_bits) - 1);
+  return lo | hi << 4;
+}
 
 // f(position in lane order, natural position) for each weight of a group, both from its start.
 template <class F>
@@ -125,7 +143,7 @@ void scalar_scales(const RowScales& rs, int64_t n, int64_t g, float* s, float* o
 template <int KIND>
 void rows_scalar(const LaneX& lx, int64_t m_rows, int64_t m0, int64_t k, const uint8_t* codes, const RowScales& rs,
                  bf16* y, int64_t n_total, int64_t n0, int64_t n1) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / kGroup, gb = group_bytes(KIND);
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < m_rows; ++m) {
       float acc[kLanes] = {};
@@ -133,7 +151,8 @@ void rows_scalar(const LaneX& lx, int64_t m_rows, int64_t m0, int64_t k, const u
         float s[kLanes], off[kLanes], t[kLanes] = {};
         scalar_scales<KIND>(rs, n, g, s, off);
         for (int i = 0; i < kGroup; ++i) {
-          const float q = static_cast<float>(codes[n * k + g * kGroup + i]) - kInfo[KIND].bias;
+          const int u = code_at(codes + (n * groups + g) * gb, kInfo[KIND].hi_bits, i);
+          const float q = static_cast<float>(u - kInfo[KIND].bias);
           t[(i % kVec) / 2] += q * static_cast<float>(lx.x[(m0 + m) * k + g * kGroup + i]);
         }
         const float* sum = lx.sums.data() + ((m0 + m) * groups + g) * kLanes;
@@ -174,65 +193,65 @@ inline void vector_scales(const RowScales& rs, int64_t n, int64_t g, __m512* s, 
   }
 }
 
-// Output rows n .. n + R against x rows m0 .. m0 + M: each (x row, output row) sums a group in
-// one chain of dot products, the same in any batch.
-template <int KIND, int M, int R>
-void lanes_tile(const LaneX& lx, int64_t m0, int64_t k, const uint8_t* codes, const RowScales& rs, bf16* y,
-                int64_t n_total, int64_t n) {
+// Output row n against x rows m0 .. m0 + M: each x row sums a group in one chain of dot products,
+// the same in any batch. One output row at a time streams the codes in order (one row of x: ~15
+// GB/s on a core, against ~11 GB/s from four rows' streams at once; two or four rows of x were no
+// faster with two output rows sharing each x load).
+template <int KIND, int M>
+void lanes_row(const LaneX& lx, int64_t m0, int64_t k, const uint8_t* codes, const RowScales& rs, bf16* y,
+               int64_t n_total, int64_t n) {
+  constexpr int hb = kInfo[KIND].hi_bits, per = 8 / hb;
   const int64_t groups = k / kGroup;
   const __m512 chain = _mm512_set1_ps(-kInfo[KIND].chain);
-  const __m512i ored = _mm512_set1_epi16(0x4300);
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const __m512i ored = _mm512_set1_epi16(0x4300), lomask = _mm512_set1_epi16(0x000F);
+  const __m512i himask = _mm512_set1_epi16(((1 << hb) - 1) << 4);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 s[R], off[R], t[M][R], sum[M];
-    for (int r = 0; r < R; ++r) vector_scales<KIND>(rs, n + r, g, &s[r], &off[r]);
+    const uint8_t* gp = codes + (n * groups + g) * group_bytes(KIND);
+    __m512 s, off, t[M], sum[M];
+    vector_scales<KIND>(rs, n, g, &s, &off);
     for (int m = 0; m < M; ++m) {
       sum[m] = _mm512_loadu_ps(lx.sums.data() + ((m0 + m) * groups + g) * kLanes);
-      for (int r = 0; r < R; ++r) t[m][r] = _mm512_mul_ps(chain, sum[m]);
+      t[m] = _mm512_mul_ps(chain, sum[m]);
     }
+    __m512i lo_pair, hi_run;
+#pragma GCC unroll 8
     for (int j = 0; j < kVectors; ++j) {
-      const int64_t at = g * kGroup + kVec * j;
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* p = codes + (n + r) * k + at;
-        if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
-        w[r] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), ored);
+      if (j % 2 == 0) {
+        if (j < 6) _mm_prefetch(reinterpret_cast<const char*>(gp + kVec * j + kPrefetchBytes), _MM_HINT_T0);
+        lo_pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + kVec * (j / 2))));
       }
+      if (j % per == 0)
+        hi_run = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + kGroup / 2 + kVec * (j / per))));
+      // 0x4300 | the low nibble, then the high bits moved to bit 4 OR-ed in (ternary logic (a & b) | c)
+      const __m512i lo = j % 2 == 0 ? _mm512_ternarylogic_epi32(lo_pair, lomask, ored, 0xEA)
+                                    : _mm512_or_si512(_mm512_srli_epi16(lo_pair, 4), ored);
+      const int bit = (j % per) * hb;
+      const __m512i hi = bit <= 4 ? _mm512_slli_epi16(hi_run, 4 - bit) : _mm512_srli_epi16(hi_run, bit - 4);
+      const __m512i w = _mm512_ternarylogic_epi32(hi, himask, lo, 0xEA);
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(lx.x.data() + (m0 + m) * k + at);
-        for (int r = 0; r < R; ++r) t[m][r] = _mm512_dpbf16_ps(t[m][r], as_bh(xv), as_bh(w[r]));
+        const __m512i xv = _mm512_loadu_si512(lx.x.data() + (m0 + m) * k + g * kGroup + kVec * j);
+        t[m] = _mm512_dpbf16_ps(t[m], as_bh(xv), as_bh(w));
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) {
-        acc[m][r] = _mm512_fmadd_ps(t[m][r], s[r], acc[m][r]);
-        if constexpr (KIND == kQ5) acc[m][r] = _mm512_fmadd_ps(sum[m], off[r], acc[m][r]);
-      }
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm512_fmadd_ps(t[m], s, acc[m]);
+      if constexpr (KIND == kQ5) acc[m] = _mm512_fmadd_ps(sum[m], off, acc[m]);
+    }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * n_total + n + r] = static_cast<bf16>(_mm512_reduce_add_ps(acc[m][r]));
-}
-
-template <int KIND, int M>
-void lanes_rows_m(const LaneX& lx, int64_t m0, int64_t k, const uint8_t* codes, const RowScales& rs, bf16* y,
-                  int64_t n_total, int64_t n0, int64_t n1) {
-  // Output rows a pass: one row alone streams the codes in order (one row of x: ~15 GB/s on a core
-  // against ~11 GB/s from four rows' streams at once); more rows of x share each row's unpacking,
-  // with their accumulators and chains kept in registers.
-  constexpr int R = M == 1 ? 1 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) lanes_tile<KIND, M, R>(lx, m0, k, codes, rs, y, n_total, n);
-  for (; n < n1; ++n) lanes_tile<KIND, M, 1>(lx, m0, k, codes, rs, y, n_total, n);
+  for (int m = 0; m < M; ++m) y[m * n_total + n] = static_cast<bf16>(_mm512_reduce_add_ps(acc[m]));
 }
 
 template <int KIND>
 void lanes_rows(const LaneX& lx, int64_t m0, int64_t m_rows, int64_t k, const uint8_t* codes, const RowScales& rs,
                 bf16* y, int64_t n_total, int64_t n0, int64_t n1) {
   switch (m_rows) {
-#define LANES_CASE(M) \
-  case M: return lanes_rows_m<KIND, M>(lx, m0, k, codes, rs, y, n_total, n0, n1);
+#define LANES_CASE(M)                                                                   \
+  case M:                                                                               \
+    for (int64_t n = n0; n < n1; ++n) lanes_row<KIND, M>(lx, m0, k, codes, rs, y, n_total, n); \
+    return;
     LANES_CASE(1) LANES_CASE(2) LANES_CASE(3) LANES_CASE(4) LANES_CASE(5) LANES_CASE(6) LANES_CASE(7) LANES_CASE(8)
 #undef LANES_CASE
   }
@@ -247,29 +266,37 @@ void lanes_rows(const LaneX& lx, int64_t m0, int64_t m_rows, int64_t k, const ui
 }
 #endif
 
-// The kind a form's scales name, after checking every tensor's dtype and shape.
-Kind check_form(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& supers) {
+// The kind a form's scales name, after checking every tensor's dtype and shape; `k` its row width.
+Kind check_form(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& supers, int64_t* k) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
                   codes.dim() == 2,
-              "q8_lanes_gemv: codes uint8 [N, K] in lane order (q8_lanes_pack)");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(k % kGroup == 0, "q8_lanes_gemv: K must be a multiple of 256");
+              "q8_lanes_gemv: codes uint8 [N, K / 256 groups' bytes] (q8_lanes_pack)");
   TORCH_CHECK(scales.is_contiguous() && supers.scalar_type() == torch::kFloat && supers.is_contiguous(),
               "q8_lanes_gemv: contiguous scales and fp32 d's");
-  if (scales.scalar_type() == torch::kChar) {
-    TORCH_CHECK(scales.sizes() == torch::IntArrayRef({n, k / 16}) && supers.sizes() == torch::IntArrayRef({n, k / 256}),
-                "q8_lanes_gemv: Q6_K takes int8 scales [N, K/16] and fp32 d [N, K/256]");
-    return kQ6;
+  const int64_t n = codes.size(0);
+  const Kind kind = scales.scalar_type() == torch::kChar ? kQ6 : kQ5;
+  if (kind == kQ6) {
+    *k = scales.dim() == 2 ? scales.size(1) * 16 : 0;
+    TORCH_CHECK(*k % kGroup == 0 && scales.sizes() == torch::IntArrayRef({n, *k / 16}) &&
+                    supers.sizes() == torch::IntArrayRef({n, *k / 256}),
+                "q8_lanes_gemv: Q6_K takes int8 scales [N, K/16] and fp32 d [N, K/256], K a multiple of 256");
+  } else {
+    *k = scales.dim() == 3 ? scales.size(2) * 32 : 0;
+    TORCH_CHECK(scales.scalar_type() == torch::kByte && *k % kGroup == 0 &&
+                    scales.sizes() == torch::IntArrayRef({n, 2, *k / 32}) &&
+                    supers.sizes() == torch::IntArrayRef({n, 2, *k / 256}),
+                "q8_lanes_gemv: Q5_K takes uint8 sc and m [N, 2, K/32] and fp32 d and dmin [N, 2, K/256], K a "
+                "multiple of 256");
   }
-  TORCH_CHECK(scales.scalar_type() == torch::kByte && scales.sizes() == torch::IntArrayRef({n, 2, k / 32}) &&
-                  supers.sizes() == torch::IntArrayRef({n, 2, k / 256}),
-              "q8_lanes_gemv: Q5_K takes uint8 sc and m [N, 2, K/32] and fp32 d and dmin [N, 2, K/256]");
-  return kQ5;
+  TORCH_CHECK(*k > 0 && codes.size(1) == *k / kGroup * group_bytes(kind),
+              "q8_lanes_gemv: codes of another width than the scales' K");
+  return kind;
 }
 
 template <int KIND>
-torch::Tensor lanes_gemv(const torch::Tensor& x, const torch::Tensor& codes, const RowScales& rs, bool vectorized) {
-  const int64_t n = codes.size(0), k = codes.size(1), rows = x.size(0);
+torch::Tensor lanes_gemv(const torch::Tensor& x, const torch::Tensor& codes, const RowScales& rs, int64_t k,
+                         bool vectorized) {
+  const int64_t n = codes.size(0), rows = x.size(0);
   const LaneX lx = lane_x(x.data_ptr<bf16>(), rows, k, kInfo[KIND].block);
   auto y = torch::empty({rows, n}, x.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -284,28 +311,30 @@ torch::Tensor lanes_gemv(const torch::Tensor& x, const torch::Tensor& codes, con
         rows_scalar<KIND>(lx, m_rows, m0, k, cp, rs, yp + m0 * n, n, n0, n1);
     }
   };
-  at::parallel_for(0, n, std::max<int64_t>(1, (256 << 10) / k), task);
+  at::parallel_for(0, n, std::max<int64_t>(1, (256 << 10) / codes.size(1)), task);
   return y;
 }
 
 torch::Tensor q8_lanes_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                             const torch::Tensor& supers, bool vectorized) {
-  const Kind kind = check_form(codes, scales, supers);
-  const int64_t k = codes.size(1);
+  int64_t k = 0;
+  const Kind kind = check_form(codes, scales, supers, &k);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
                   x.size(1) == k && x.size(0) >= 1,
               "q8_lanes_gemv: x must be contiguous bf16 [M, K] on the CPU, at least one row");
   if (kind == kQ6)
-    return lanes_gemv<kQ6>(x, codes, RowScales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), k / 16}, vectorized);
-  return lanes_gemv<kQ5>(x, codes, RowScales{scales.data_ptr<uint8_t>(), supers.data_ptr<float>(), k / 32}, vectorized);
+    return lanes_gemv<kQ6>(x, codes, RowScales{scales.data_ptr<int8_t>(), supers.data_ptr<float>(), k / 16}, k,
+                           vectorized);
+  return lanes_gemv<kQ5>(x, codes, RowScales{scales.data_ptr<uint8_t>(), supers.data_ptr<float>(), k / 32}, k,
+                         vectorized);
 }
 
 }  // namespace
 
 bool q8_lanes_vectorized() { return kVectorized; }
 
-// int8 codes [N, K] of a kind (0 Q6_K: q - 32; 1 Q5_K: 0..31) -> uint8 codes u = q + bias (0..63,
-// 0..31) in lane order, the form the bf16 loops read.
+// int8 codes [N, K] of a kind (0 Q6_K: q - 32; 1 Q5_K: 0..31) -> the form the bf16 loops read:
+// u = q + bias (0..63, 0..31) in lane order, each 256 at 6 or 5 bits (group_bytes) [N, K / 256 * bytes].
 torch::Tensor q8_lanes_pack(torch::Tensor codes, int64_t kind) {
   TORCH_CHECK(kind == kQ6 || kind == kQ5, "q8_lanes_pack: kind 0 (Q6_K) or 1 (Q5_K)");
   const KindInfo& info = kInfo[kind];
@@ -316,13 +345,20 @@ torch::Tensor q8_lanes_pack(torch::Tensor codes, int64_t kind) {
   // u must stay below 128 for 0x4300 | u to be the bf16 128 + u
   const int64_t lo = src.min().item<int64_t>() + info.bias, hi = src.max().item<int64_t>() + info.bias;
   TORCH_CHECK(lo >= 0 && hi < (kind == kQ6 ? 64 : 32), "q8_lanes_pack: codes out of the kind's range");
-  auto out = torch::empty({n, k}, codes.options().dtype(torch::kByte));
+  const int gb = group_bytes(kind), hb = info.hi_bits, per = 8 / hb;
+  auto out = torch::zeros({n, k / kGroup * gb}, codes.options().dtype(torch::kByte));
   const int8_t* sp = src.data_ptr<int8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r = n0; r < n1; ++r)
-      for (int64_t w0 = r * k; w0 < (r + 1) * k; w0 += kGroup)
-        for_each_lane(info.block, [&](int at, int from) { op[w0 + at] = static_cast<uint8_t>(sp[w0 + from] + info.bias); });
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        uint8_t* gp = op + (r * (k / kGroup) + g) * gb;
+        for_each_lane(info.block, [&](int at, int from) {
+          const int u = sp[r * k + g * kGroup + from] + info.bias, j = at / kVec, i = at % kVec;
+          gp[kVec * (j / 2) + i] |= static_cast<uint8_t>((u & 0xF) << (4 * (j % 2)));
+          gp[kGroup / 2 + kVec * (j / per) + i] |= static_cast<uint8_t>((u >> 4) << ((j % per) * hb));
+        });
+      }
   });
   return out;
 }
