@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     out_tokens = sum(wl.output_lens)
     ceiling = out_tokens / floor
     print(f"{a.workload} on {a.model_path} ({a.dtype}, {threads} threads): {out_tokens} output tokens")
-    print(
-        f"  measured: {a.dtype} GEMM {rate / 1e9:.0f} GFLOP/s (one layer's projections, best of 64 and 512 rows), read {bandwidth / 1e9:.1f} GB/s"
-    )
+    print(f"  measured: {a.dtype} GEMM {rate / 1e9:.0f} GFLOP/s (one layer's projections, best of 64 and 512 rows)")
+    print(f"            read {bandwidth / 1e9:.1f} GB/s")
     print(f"  prefill  {counts['prefill_flops'] / 1e12:6.2f} TFLOP  {t_prefill:6.2f} s")
     print(f"  decode   {counts['decode_flops'] / 1e12:6.2f} TFLOP  {t_decode:6.2f} s")
     print(f"  KV reads {kv_bytes / 1e9:6.1f} GB     {t_kv:6.2f} s")
