@@ -23,7 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import BatchInvariantLinear, QuantLinear, QuantParts
@@ -188,6 +188,7 @@ def test_bf16_models_run_the_k_forms(qtype):
         assert torch.allclose(y.float(), plain.float(), rtol=1 / 128, atol=1e-3 * plain.float().abs().max().item())
 
 
+@pytest.mark.skipif(cpu_extension.load() is None, reason="the CPU kernels cannot be built here")
 @pytest.mark.parametrize("qtype", [Q5_K, Q6_K])
 def test_lane_order_is_the_files_values(qtype):
     """The lane-order form (the bf16 loops', csrc/cpu_quant_lanes.cpp) holds the file's values at
