@@ -85,15 +85,16 @@ class Q8Blocks:
             if not (lanes or fp32_loops) or k % cpu_quant.SUPER:
                 return None
             f = self.k
-            if f.m is not None and f.dmin is not None:  # Q5_K
+            q5 = f.m is not None and f.dmin is not None
+            kind = cpu_quant.Q5_K if q5 else cpu_quant.Q6_K
+            codes = cpu_quant.q8_lanes_pack(self.q, kind) if lanes else self.q.contiguous()
+            if q5:
                 small = torch.stack([f.sc, f.m], dim=1).to(torch.uint8).contiguous()
                 big = torch.stack([f.d, f.dmin], dim=1).float().contiguous()
-                codes = cpu_quant.q8_lanes_pack(self.q, cpu_quant.Q5_K) if lanes else self.q.contiguous()
                 return Q8Weight(codes, small, big)
-            codes = cpu_quant.q8_lanes_pack(self.q, cpu_quant.Q6_K) if lanes else self.q.contiguous()
             return Q8Weight(codes, f.sc.to(torch.int8).contiguous(), f.d.float().contiguous())
-        # Q8_0 (and Q5_0): a bf16 model takes it where the bf16 block loops are built, as before the
-        # fp32 loops ran its bf16 x (elsewhere it keeps the dense form)
+        # Q8_0 (and Q5_0) in a bf16 model only where the bf16 block loops are built, as before (its
+        # x goes through the fp32 loops; elsewhere the model keeps the dense form)
         if not (cpu_quant.vectorized(dtype) and k % cpu_quant.CHUNK == 0):
             return None
         if self.group_size != cpu_quant.BLOCK or not cpu_quant.exact_in_fp16(self.scale):

@@ -17,16 +17,16 @@
 // then sums weights of one block only, through the 8 vectors in one chain, and one FMA applies
 // the 16 lanes' scales. x is put in the same order once per call.
 //
-// Codes are stored unsigned (`group_bytes`: low nibbles, then the high bits), u = q + 32 (Q6_K,
-// 0..63) or q (Q5_K, 0..31); a few shifts and two ternary-logic ops per vector put u | 0x4300 in
-// 16-bit lanes. Held at 8 bits (the fp32 loops' int8), Q6_K read 31% more bytes than the file
-// holds, which a single stream pays in full. sum((128 + u) x)
-// over a lane is its dot product plus a bias (160 or 128) times its sum of x, S: each chain starts
-// from -bias * S (summed with x's reordering) and ends as sum(q x). Q5_K's offsets (-dmin m per
-// 32 weights) meet S in a second FMA.
+// Codes are stored unsigned (`group_bytes`: low nibbles, then the high bits), u = q + bias with
+// bias 32 (Q6_K, 0..63) or 0 (Q5_K, 0..31); a few shifts and two ternary-logic ops per vector put
+// u | 0x4300 in 16-bit lanes. (Held at 8 bits, the fp32 loops' int8, Q6_K read 31% more bytes than
+// the file holds, which a single stream pays in full.) sum((128 + u) x) over a lane is its dot
+// product plus (128 + bias) times its sum of x, S: each chain starts from -(128 + bias) * S (summed
+// with x's reordering) and ends as sum(q x). Q5_K's offsets (-dmin m per 32 weights) meet S in a
+// second FMA.
 //
 // Arithmetic: products exact, sums in fp32 in the chain's order, the result rounded to bf16
-// once. The chain starts at -bias * S, so its fp32 steps round at a few times the result's scale:
+// once. The chain starts at -(128 + bias) * S, so its fp32 steps round at a few times the result's scale:
 // units of 2^-22 of it, far below the output's bf16 step (2^-8). Every row's result is a function
 // of its own x row (no row count, position or thread split changes it), which deterministic
 // inference relies on.
@@ -61,10 +61,9 @@ enum Kind { kQ6 = 0, kQ5 = 1 };
 struct KindInfo {
   int block;    // weights per scale
   int bias;     // u - q
-  float chain;  // the chain's start is -chain * S (128 + bias)
   int hi_bits;  // u's bits above its low nibble
 };
-constexpr KindInfo kInfo[2] = {{16, 32, 160.0f, 2}, {32, 0, 128.0f, 1}};
+constexpr KindInfo kInfo[2] = {{16, 32, 2}, {32, 0, 1}};
 
 // Bytes of a group's codes: its 256 low nibbles (128 bytes: vector j's lane pair i in byte
 // 32 (j / 2) + i, low half for even j), then the high bits (32 bytes per 8 / hi_bits vectors:
@@ -202,7 +201,7 @@ void lanes_row(const LaneX& lx, int64_t m0, int64_t k, const uint8_t* codes, con
                int64_t n_total, int64_t n) {
   constexpr int hb = kInfo[KIND].hi_bits, per = 8 / hb;
   const int64_t groups = k / kGroup;
-  const __m512 chain = _mm512_set1_ps(-kInfo[KIND].chain);
+  const __m512 chain = _mm512_set1_ps(-(128.0f + kInfo[KIND].bias));  // 0x4300 | u is 128 + u
   const __m512i ored = _mm512_set1_epi16(0x4300), lomask = _mm512_set1_epi16(0x000F);
   const __m512i himask = _mm512_set1_epi16(((1 << hb) - 1) << 4);
   __m512 acc[M];
