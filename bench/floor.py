@@ -49,8 +49,9 @@ def weight_bytes_per_step(model: torch.nn.Module, rows: int = 1) -> dict[str, in
     for name, module in model.named_modules():
         kind = type(module).__name__
         if any(name.startswith(prefix + ".") for prefix in inside_quant):
-            continue  # a quantized layer's dense fallback: not read for `rows` <= its bound
-        if kind == "QuantLinear" and rows <= module.max_rows:
+            continue  # a quantized layer's fallback: not read for `rows` <= its bound
+        tiles = kind == "QuantLinear" and type(module.big).__name__ == "DequantTilesLinear"  # blocks at any rows
+        if kind == "QuantLinear" and (rows <= module.max_rows or tiles):
             inside_quant.append(name)
             out["lm head" if name.endswith("lm_head") else "int4 linears"] += module.packed.nbytes
         elif kind in ("DenseLinear", "OneDNNLinear", "QuantLinear"):

@@ -16,7 +16,7 @@ import torch
 
 from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import DenseLinear, QuantLinear
+from engine.layers.linear import DenseLinear, DequantTilesLinear, QuantLinear
 from engine.layers.q8 import Q8Weight
 from tests.quant_blocks import random_q4, random_q8
 
@@ -147,7 +147,8 @@ def test_default_model_fp32_decodes_on_the_blocks_with_transformers_tokens(
     layer = model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(proj, QuantLinear) and isinstance(proj.packed, TiledQ4Weight) and proj.max_rows == 8
-        assert isinstance(proj.big, DenseLinear) and proj.big.weight.dtype == torch.float32
+        # the only resident form: more rows run the tiles dequantized to fp32 (prefills here)
+        assert isinstance(proj.big, DequantTilesLinear) and proj.big.dtype == torch.float32
     assert isinstance(model.lm_head, QuantLinear) and isinstance(model.lm_head.packed, Q8Weight)
     calls, real = {"n": 0}, cpu_quant.q4_gemv
 

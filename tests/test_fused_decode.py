@@ -68,12 +68,17 @@ def test_fused_path_only_where_it_applies(default_source):
     assert fused is not None and fused.max_rows is None and measured.q4_max_tokens >= 1
 
 
-def test_a_projection_without_a_dense_form_bounds_the_fused_rows(default_source, monkeypatch):
+def test_the_blocks_alone_run_every_row_count_fused(default_source, monkeypatch):
+    """Without oneDNN's prepacked form (bf16 dense weights stay F.linear, which the loop does not
+    run) the block forms still take any forward: past the bound, their dequantized tiles."""
     import engine.layers.linear as linear
 
-    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)  # big forms stay F.linear
-    fused = _runner(default_source).model.fused_decode
-    assert fused is not None and fused.max_rows == 4
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    model = _runner(default_source).model
+    fused = model.fused_decode
+    assert fused is not None and fused.max_rows is None
+    proj = model.layers[0].mlp.down_proj
+    assert isinstance(proj, linear.QuantLinear) and isinstance(proj.big, linear.DequantTilesLinear)
     assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None  # nothing it can run
 
 

@@ -19,7 +19,7 @@ from engine.kernels import cpu_quant
 from engine.layers import int4_crossover
 from engine.layers.activation import SiluAndMul
 from engine.layers.int4 import int4_kernel_available
-from engine.layers.linear import DenseLinear, OneDNNLinear, QuantLinear, onednn_bf16_available
+from engine.layers.linear import DenseLinear, DequantTilesLinear, OneDNNLinear, QuantLinear, onednn_bf16_available
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.model_executor.model_runner import ModelRunner
@@ -64,8 +64,8 @@ def tiny_folder(tmp_path_factory):
 def test_fp32_is_the_reference_path(default_source):
     """fp32: dense weights (F.linear, or our fp32 loop for a few rows) and torch elementwise ops
     (transformers parity); attention in the C++ kernels (head size 64). A GGUF's 4-bit layers and
-    Q8_0 head keep their blocks for few rows where our fp32 loops are vectorized (the file's exact
-    values: tests/test_cpu_quant_f32.py), over the same dense forms."""
+    Q8_0 head keep their blocks where our fp32 loops are vectorized (the file's exact values:
+    tests/test_cpu_quant_f32.py), few rows in those loops, more through their dequantized tiles."""
     runner = _runner(default_source, dtype="float32", q4_max_tokens=0)
     model = runner.model
     assert all(type(p) is DenseLinear for p in _projections(model)) and type(model.lm_head) is DenseLinear
@@ -74,7 +74,11 @@ def test_fp32_is_the_reference_path(default_source):
     quant = _runner(default_source, dtype="float32", q4_max_tokens=4).model
     if cpu_quant.vectorized(torch.float32):
         forms = [*_projections(quant), quant.lm_head]
-        assert all(type(p) is QuantLinear and type(p.big) is DenseLinear and p.max_rows == 4 for p in forms)
+        # the blocks only: more rows run their tiles dequantized to fp32 (MKL); the tied head beside
+        # the embedding table it shares
+        assert all(type(p) is QuantLinear and p.max_rows == 4 for p in forms)
+        assert all(type(p.big) is DequantTilesLinear and p.big.dtype == torch.float32 for p in forms[:-1])
+        assert type(quant.lm_head.big) is DenseLinear and quant.lm_head.big.weight is quant.embed_tokens.weight
     else:
         assert all(type(p) is DenseLinear for p in _projections(quant))
 
@@ -84,10 +88,15 @@ def test_cpu_bf16_with_kernels_gets_onednn_int4_and_fused_ops(default_source):
     runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=16)
     model = runner.model
     projections = _projections(model)
-    assert all(isinstance(p, QuantLinear) and isinstance(p.big, OneDNNLinear) for p in projections)
+    # our 4-bit tiles alone (more rows: their dequantized tiles); torch's int4pack beside oneDNN's form
+    big = DequantTilesLinear if cpu_quant.vectorized() else OneDNNLinear
+    assert all(isinstance(p, QuantLinear) and isinstance(p.big, big) for p in projections)
     assert all(p.max_rows == 16 for p in projections) and runner.q4_max_tokens == 16
-    head = model.lm_head  # the tied head: prepacked, never 4-bit; its Q8_0 form where our kernel runs
-    assert isinstance(head.big if isinstance(head, QuantLinear) else head, OneDNNLinear)
+    head = model.lm_head  # the tied head: never 4-bit; its Q8_0 form beside the embedding table, else prepacked
+    if isinstance(head, QuantLinear):
+        assert type(head.big) is DenseLinear and head.big.weight is model.embed_tokens.weight
+    else:
+        assert isinstance(head, OneDNNLinear)
     assert isinstance(head, QuantLinear) == cpu_quant.vectorized() and getattr(head, "max_rows", 16) == 16
     ops = _elementwise(model)
     assert all(op.uses_cpu_kernel for op in ops) and model.fused
@@ -121,11 +130,17 @@ def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
     rows = runner.q4_max_tokens
     assert 0 <= rows <= int4_crossover.CANDIDATE_ROWS[-1]
     int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
-    assert all(p.max_rows == rows for p in int4) and len(int4) == (len(_projections(runner.model)) if rows else 0)
-    # A machine where the int4 kernel never wins keeps no int4 form at all.
+    assert all(p.max_rows == rows for p in int4) and len(int4) == len(_projections(runner.model))
+    # A machine where the small-batch loops never win: our blocks stay the only form, every row
+    # count through their dequantized tiles; torch's int4pack form is dropped for the dense one.
     monkeypatch.setattr(llama, "measure_int4_crossover", lambda linears, dtype=None: 0)
     runner = _runner(default_source, dtype="bfloat16")
-    assert runner.q4_max_tokens == 0 and all(type(p) is OneDNNLinear for p in _projections(runner.model))
+    assert runner.q4_max_tokens == 0
+    if cpu_quant.vectorized():
+        forms = _projections(runner.model)
+        assert all(type(p) is QuantLinear and p.max_rows == 0 and type(p.big) is DequantTilesLinear for p in forms)
+    else:
+        assert all(type(p) is OneDNNLinear for p in _projections(runner.model))
 
 
 @needs_fast_paths

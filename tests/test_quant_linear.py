@@ -22,7 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.kernels import cpu_quant
 from engine.layers import int4, linear
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
-from engine.layers.linear import DenseLinear, OneDNNLinear, QuantLinear, finalize_linear
+from engine.layers.linear import DenseLinear, DequantTilesLinear, OneDNNLinear, QuantLinear, finalize_linear
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4_blocks
 from engine.models.loader import resolve_model
@@ -312,9 +312,16 @@ def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
     packed, dense = bf16_runners
     layer = packed.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    assert all(isinstance(p, QuantLinear) and isinstance(p.big, OneDNNLinear) for p in projections)
-    head = packed.model.lm_head  # the Q8_0 head (our kernel) over its prepacked form, or the latter alone
-    assert isinstance(head.big if isinstance(head, QuantLinear) else head, OneDNNLinear)
+    # our block forms are the only resident form (many rows: their dequantized tiles); torch's
+    # int4pack form keeps the prepacked dense form beside it
+    big = DequantTilesLinear if cpu_quant.vectorized() else OneDNNLinear
+    assert all(isinstance(p, QuantLinear) and isinstance(p.big, big) for p in projections)
+    # the tied Q8_0 head (our kernel) beside the embedding table itself (no copy), or prepacked alone
+    head = packed.model.lm_head
+    if isinstance(head, QuantLinear):
+        assert type(head.big) is DenseLinear and head.big.weight is packed.model.embed_tokens.weight
+    else:
+        assert isinstance(head, OneDNNLinear)
     assert isinstance(head, QuantLinear) == cpu_quant.vectorized()
     assert isinstance(dense.model.lm_head, OneDNNLinear)  # q4_max_tokens=0: no quantized form at all
     assert isinstance(dense.model.layers[0].mlp.down_proj, OneDNNLinear)

@@ -38,6 +38,7 @@ SOURCES = (
     "cpu_quant_gemv.cpp",
     "cpu_quant_gemv_f32.cpp",
     "cpu_quant_lanes.cpp",
+    "cpu_quant_tiles.cpp",
     "cpu_gemv.cpp",
     "cpu_decode_layers.cpp",
     "cpu_decode_f32_ops.cpp",

@@ -14,6 +14,10 @@ memory bandwidth; these loops unpack so cheaply that the read is (nearly) the bo
 int4pack kernel is compute-bound at ~40% of one core's bandwidth on the development machine, and
 takes bf16 only).
 
+Past a few dozen rows a GEMM wins: `q4_tiles_mm` and `q8_tiles_mm` run those products through
+tiles of the weight dequantized one at a time (csrc/cpu_quant_tiles.cpp), so the blocks are a
+projection's only resident form.
+
 Any row count works. x's dtype picks the loops: bf16 x (output bf16) or fp32 x (output fp32, the
 weights' exact values with fp32 sums of the loop's own order; each row's result independent of
 the other rows and the thread count). The layers use a dtype's products only where its vector
@@ -38,12 +42,15 @@ __all__ = [
     "SUPER",
     "TILE",
     "Q4Packed",
+    "dequantize",
     "exact_in_fp16",
     "q4_gemv",
     "q4_pack",
+    "q4_tiles_mm",
     "q4k_pack",
     "q8_gemv",
     "q8_lanes_pack",
+    "q8_tiles_mm",
     "vectorized",
 ]
 
@@ -167,3 +174,25 @@ def q8_gemv(
     `q8_lanes_pack` run the bf16 dot-product loops (a bf16 x only). `vector=False` runs the plain loops (the
     tests' reference; for fp32 the same sums in the same order, so equal to the bit)."""
     return module_or_raise().q8_blocks_gemv(x, codes, scales, supers, vector)
+
+
+def q4_tiles_mm(x: torch.Tensor, w: Q4Packed) -> torch.Tensor:
+    """bf16 or fp32 `[M, K] @ W.T` for many rows (past the small-batch loops' crossover) without a
+    dense copy of W: its tiles dequantized one at a time into a core's cache, each multiplied there
+    (csrc/cpu_quant_tiles.cpp). The weights' exact values rounded to x's dtype, the dense copy's."""
+    return module_or_raise().q4_tiles_mm(x, w.codes, w.scales, w.offsets, w.out_features)
+
+
+def q8_tiles_mm(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor | None
+) -> torch.Tensor:
+    """`q8_gemv`'s product for many rows through dequantized tiles, as `q4_tiles_mm`."""
+    return module_or_raise().q8_tiles_mm(x, codes, scales, supers)
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, out_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A 4-bit (`Q4Packed`'s tensors) or 8-bit (`q8_gemv`'s) weight as a dense `[N, K]` of `dtype`
+    (bf16 or fp32): the exact values, rounded once, in natural order."""
+    return module_or_raise().quant_dequantize(codes, scales, offsets, out_features, dtype)

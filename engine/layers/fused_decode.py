@@ -24,9 +24,9 @@ every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) a
 oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms.
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
-and, where some projection has only its 4-bit form, it has at most that form's row bound of
-tokens. Above the bound each projection runs its dense weight, as QuantLinear does: at batch
-32-128 the Python between the ops still cost ~2-3 ms a step (docs/PERFORMANCE.md, ninth session).
+(any token count: above the quantized forms' row bound each projection runs its blocks'
+dequantized tiles, or its dense weight where it has one, as QuantLinear does; at batch 32-128 the
+Python between the ops still cost ~2-3 ms a step, docs/PERFORMANCE.md, ninth session).
 
 Multi-LoRA: given the LoRA pool (CPU buffers in the model's dtype, the torch path's form), the loop holds every
 (layer, projection) buffer by reference and a forward with adapter rows passes each token's slot
@@ -53,7 +53,15 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention_cpu import CpuAttnBackend, KernelDecodePlan, KernelExtendPlan
 from engine.layers.attention_window import WindowedAttnBackend
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import BatchInvariantLinear, DenseLinear, OneDNNLinear, QuantLinear, QuantParts, RowTiles
+from engine.layers.linear import (
+    BatchInvariantLinear,
+    DenseLinear,
+    DequantTilesLinear,
+    OneDNNLinear,
+    QuantLinear,
+    QuantParts,
+    RowTiles,
+)
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
 from engine.lora.projections import PROJECTIONS
@@ -75,8 +83,9 @@ class _Form(NamedTuple):
     tile_rows: int = 0
     small_rows: int = 0  # an fp32 dense weight: 1..small_rows rows through gemv_f32 (DenseLinear)
     # QuantParts: each part's quantized tensors and output width (`parts` then holds the dense
-    # weight only; the loop's `set_pieces`)
+    # weight, if any, only; the loop's `set_pieces`)
     pieces: tuple[tuple[list[torch.Tensor], int], ...] = ()
+    tiles: bool = False  # no dense weight: above the bound the blocks' dequantized tiles run
 
 
 def _fp32_dense(module: Any) -> bool:
@@ -136,10 +145,14 @@ def _form(module: Any) -> _Form | None:
         elif dense:
             parts.append(big.weight)
             small_rows = big.small_rows
-        if pieces and not dense:  # the loop's pieces stand beside a dense weight only
+        # without a dense weight the loop runs the blocks' dequantized tiles above the bound
+        tiles = isinstance(big, DequantTilesLinear)
+        if pieces and not (dense or tiles):
             return None
         bound = module.max_rows
-        return _Form(parts, packed.out_features, bound, module.bias, dense, small_rows=small_rows, pieces=pieces)
+        return _Form(
+            parts, packed.out_features, bound, module.bias, dense, small_rows=small_rows, pieces=pieces, tiles=tiles
+        )
     return None
 
 
@@ -164,7 +177,7 @@ class FusedDecodeLayers:
 
     def __init__(self, native: Any, max_rows: int | None, lora: bool = False, tiled: bool = False) -> None:
         self.native = native
-        self.max_rows = max_rows  # None: every projection has a dense form, any row count runs
+        self.max_rows = max_rows  # None: every projection has a dense form or its tiles, any row count runs
         self.lora = lora  # it adds the LoRA pool's deltas: forwards with adapter rows may take it
         # deterministic inference: its projections run decode's row tiles, so it takes decode-like
         # forwards only (an extend's tiles are another size: its rows would differ by path)
@@ -228,8 +241,8 @@ class FusedDecodeLayers:
                     native.set_pieces(i, j, list(tensors), list(widths), form.q4_rows)
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
-        dense_everywhere = all(f.has_dense for layer in forms for f in layer)
-        return cls(native, None if dense_everywhere else q4_rows, with_lora, tile_rows > 0)
+        any_rows = all(f.has_dense or f.tiles for layer in forms for f in layer)
+        return cls(native, None if any_rows else q4_rows, with_lora, tile_rows > 0)
 
     def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
         """This forward's kernel attention plan when the fused loop takes the forward (at most

@@ -2,8 +2,9 @@
 
 A single-stream decode step is bound by reading the weights; a 4-bit kernel reads a quarter of
 what a bf16 GEMV reads, so it wins for a few rows, while a dense bf16 matmul wins for many (the
-4-bit kernel's cost grows with the rows). `linear.QuantLinear` keeps both forms and picks by row
-count; this module only knows the weights.
+4-bit kernel's cost grows with the rows). `linear.QuantLinear` picks by row count between the
+kernel and the same blocks' dequantized tiles (or, for torch's form, a dense copy); this module
+only knows the weights.
 
 Two kernels, in order of preference (`Q4Blocks.pack`):
 - ours (`TiledQ4Weight`, engine/kernels/cpu_quant.py): the blocks' own fp16 scales and offsets
@@ -147,6 +148,17 @@ class TiledQ4Weight:
         rows = x.numel() // self.in_features
         out = cpu_quant.q4_gemv(x.reshape(rows, self.in_features).contiguous(), self.tiles)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def tiles_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` for many rows: the weight's tiles dequantized one at a time (cpu_quant.q4_tiles_mm)."""
+        rows = x.numel() // self.in_features
+        out = cpu_quant.q4_tiles_mm(x.reshape(rows, self.in_features).contiguous(), self.tiles)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] in `dtype`: the exact values rounded once."""
+        t = self.tiles
+        return cpu_quant.dequantize(t.codes, t.scales, t.offsets, t.out_features, dtype)
 
 
 @dataclass

@@ -11,21 +11,22 @@ so the engine asks the machine (an explicit `q4_max_tokens` skips this).
 
 The 4-bit layer weights and the Q8_0 LM head (q8.py) are measured apart: different kernels.
 
-How: the model's own `QuantLinear` projections, the quantized kernel against the dense form each
-falls back to, at doubling row counts from 1 until the quantized side loses. The projections timed
-are the first ones whose quantized forms add up to twice the last-level cache, so every pass of
-either side reads its weights from memory as a real forward does (one layer, timed alone, would
-sit in the cache and flatter the dense side 2-3x; a prefix sized by the dense bytes left the 4-bit
-side cached and put the crossover at 34 rows, where a real batch of 32 decoded 15% slower than
-dense). Projections that add up to less (the LM head, measured alone; a small model's layers) are
-timed after a read of an eviction buffer twice the cache's size: in a forward the other
-projections' weights pass through the cache between two calls of one. Timed hot, the default
-model's Q8_0 head (28 MB, inside a 32 MB L3) lost to the dense head from 3 rows, while whole
-decode steps of 3 rows were 0.6 ms faster with it and even at 4; timed cold the crossover is 4-5.
-Each point is the minimum of a few alternating repeats (noise on a shared machine only ever adds
-time, and alternation exposes both sides to the same load); the answer is interpolated between
-the last win and the first loss, where a win means beating the dense side by REQUIRED_WIN (see
-there). Results are cached per process for the same shapes and thread count.
+How: the model's own `QuantLinear` projections, the quantized kernel against the form each falls
+back to (the same blocks' dequantized tiles; a dense form beside torch's int4pack one), at doubling
+row counts from 1 until the quantized side loses. The projections timed are the first ones whose
+quantized forms add up to twice the last-level cache, so every pass of either side reads its
+weights from memory as a real forward does (one layer, timed alone, would sit in the cache and
+flatter the dense side 2-3x; a prefix sized by the dense bytes left the 4-bit side cached and put
+the crossover at 34 rows, where a real batch of 32 decoded 15% slower than dense). Projections that
+add up to less (the LM head, measured alone; a small model's layers) are timed after a read of an
+eviction buffer twice the cache's size: in a forward the other projections' weights pass through
+the cache between two calls of one. Timed hot, the default model's Q8_0 head (28 MB, inside a 32 MB
+L3) lost to the dense head from 3 rows, while whole decode steps of 3 rows were 0.6 ms faster with
+it and even at 4; timed cold the crossover is 4-5. Each point is the minimum of a few alternating
+repeats (noise on a shared machine only ever adds time, and alternation exposes both sides to the
+same load); the answer is interpolated between the last win and the first loss, where a win means
+beating the dense side by REQUIRED_WIN (see there). Results are cached per process for the same
+shapes and thread count.
 About 0.4 s for the default model, ~2 s for a 1B-class one.
 """
 
@@ -130,8 +131,9 @@ def _best_times(
 
 
 def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = torch.bfloat16) -> int:
-    """The largest row count for which the int4 kernel is faster than the dense forms, summed over
-    (a cache-defeating prefix of) `linears` with `dtype` inputs (the model's); 0 when the int4
+    """The largest row count for which the int4 kernel is faster than the forms it falls back to
+    (`QuantLinear.big`: the blocks' dequantized tiles, or a dense form), summed over (a
+    cache-defeating prefix of) `linears` with `dtype` inputs (the model's); 0 when the int4
     kernel loses even for one row."""
     chosen = cold_cache_prefix(linears)
     shapes = tuple((m.out_features, m.in_features, type(m.packed).__name__, type(m.big).__name__) for m in chosen)
@@ -158,7 +160,8 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
                 result = rows
                 break
     log.info(
-        "quantized vs dense crossover (%s): %d rows (%d projections timed%s in %.2f s, %d threads)",
+        "quantized loops vs %s crossover (%s): %d rows (%d projections timed%s in %.2f s, %d threads)",
+        "dequantized tiles" if type(chosen[0].big).__name__ == "DequantTilesLinear" else "dense",
         str(dtype).removeprefix("torch."),
         result,
         len(chosen),

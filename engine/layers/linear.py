@@ -12,8 +12,10 @@
 - `QuantLinear`: a GGUF block-quantized weight (4-bit layer weights, int4.py; the Q8_0 LM head,
   q8.py; a fused projection of parts in different kinds of blocks, `QuantParts`) through a
   quantized CPU kernel for inputs of at most `max_rows` rows, where reading a quarter (half) of
-  a bf16 weight's bytes wins (an eighth, a quarter of an fp32 one's); its dense
-  form (`big`, one of the two above) for more rows, where the kernel's per-row cost loses. That
+  a bf16 weight's bytes wins (an eighth, a quarter of an fp32 one's); for more rows, where the
+  kernel's per-row cost loses, `big`: the same blocks through dequantized tiles
+  (`DequantTilesLinear`), so the blocks are the only resident form (a dense copy beside them held
+  ~4x a Q4_K_M file's bytes); only torch's int4pack form keeps the dense form beside it. That
   row-count choice is this module's job; where the crossover lies is measured at start-up
   (int4_crossover.py).
 
@@ -21,7 +23,7 @@
   `rows` rows at a time, so a row's result never depends on the batch around it (see the class).
 
 `finalize_linear` turns a loaded `DenseLinear` into the module the model keeps. The dense weight
-is then referenced by nothing (a oneDNN or int4 module holds its own copy), so it is freed —
+is then referenced by nothing (a oneDNN or quantized module holds its own form), so it is freed —
 except where the dense weight is shared, as a tied LM head shares the embedding table.
 """
 
@@ -62,6 +64,12 @@ class QuantParts:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([f.matmul(x) for f in self.forms], dim=-1)
+
+    def tiles_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([f.tiles_matmul(x) for f in self.forms], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([f.dequantize(dtype) for f in self.forms])
 
 
 QuantWeight = TiledQ4Weight | PackedInt4Weight | Q8Weight | QuantParts  # each has matmul, nbytes, in/out_features
@@ -153,10 +161,38 @@ class OneDNNLinear(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
-class QuantLinear(nn.Module):
-    """Quantized kernel for inputs of 1..`max_rows` rows, `big` (the dense form) for any other count."""
+class DequantTilesLinear(nn.Module):
+    """A block-quantized weight's products for many rows without a dense copy: tiles of the weight
+    dequantized one at a time in a core's cache and multiplied there (csrc/cpu_quant_tiles.cpp;
+    bf16: our dot-product kernel on AVX512-BF16, oneDNN elsewhere; fp32: MKL). `QuantLinear`'s
+    `big` for our block forms, so the blocks are the projection's only resident form."""
 
-    def __init__(self, packed: QuantWeight, big: DenseLinear | OneDNNLinear, max_rows: int) -> None:
+    def __init__(
+        self,
+        packed: TiledQ4Weight | Q8Weight | QuantParts,
+        bias: nn.Parameter | None,
+        output_sizes: Sequence[int],
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.packed, self.bias, self.dtype = packed, bias, dtype
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.output_sizes = tuple(output_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.packed.tiles_matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
+class QuantLinear(nn.Module):
+    """Quantized kernel for inputs of 1..`max_rows` rows, `big` for any other count: our block
+    forms' dequantized tiles (`DequantTilesLinear`), or the dense form beside torch's int4pack one."""
+
+    def __init__(
+        self, packed: QuantWeight, big: DenseLinear | OneDNNLinear | DequantTilesLinear, max_rows: int
+    ) -> None:
         super().__init__()
         self.packed = packed
         self.big = big
@@ -291,35 +327,45 @@ def dense_weight(linear: Linear) -> torch.Tensor:
     if isinstance(linear, BatchInvariantLinear):
         return dense_weight(linear.inner)
     if isinstance(linear, QuantLinear):
-        return dense_weight(linear.big)
+        big = linear.big
+        return big.packed.dequantize(big.dtype) if isinstance(big, DequantTilesLinear) else dense_weight(big)
     if isinstance(linear, OneDNNLinear):
         return linear.packed.to_dense()  # the prepacked layout reordered back (exact)
     return linear.weight.detach()
 
 
 def finalize_linear(
-    dense: DenseLinear, packed: QuantWeight | None, q4_max_rows: int, row_tiles: RowTiles | None = None
+    dense: DenseLinear,
+    packed: QuantWeight | None,
+    q4_max_rows: int,
+    row_tiles: RowTiles | None = None,
+    shared: bool = False,
 ) -> Linear:
     """The module a loaded projection runs as: `QuantLinear` when it has a quantized form, the
     quantized path is on (`q4_max_rows > 0`) and the model is bf16 or (our kernels only) fp32 on
-    a CPU, else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
+    a CPU (our block forms alone, many rows through their dequantized tiles; torch's int4pack form
+    beside the dense one), else its dense form (prepacked for oneDNN where that applies; an fp32 CPU one with
     the small-batch loop for a few rows); with `row_tiles` (deterministic inference), the dense
     form in `BatchInvariantLinear` (no quantized form: the dense and quantized forms sum in
     different orders, so a row would change with which side the batch's size picked; an fp32
     model's decode-like forwards take the fixed-order loop there instead, `RowTiles.decode_loop`,
     and an fp32 or (AVX512-BF16) bf16 one its block loops where it has a block form:
-    `RowTiles.decode_blocks`, `BatchInvariantLinear.blocks`)."""
-    big = OneDNNLinear.from_dense(dense) or dense
+    `RowTiles.decode_blocks`, `BatchInvariantLinear.blocks`). `shared`: the dense weight stays
+    resident for another reader (a tied LM head's embedding table), so our block form runs beside
+    that very tensor (`F.linear` for many rows: no prepacked copy, and no tiles to write)."""
     weight = dense.weight
     ours = isinstance(packed, (TiledQ4Weight, Q8Weight, QuantParts))  # torch's int4pack form takes bf16 only
+    dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)
+    quantized = packed is not None and q4_max_rows > 0 and weight.dtype in dtypes and weight.device.type == "cpu"
+    if quantized and ours and row_tiles is None:  # the blocks only: many rows run their dequantized tiles
+        big = dense if shared else DequantTilesLinear(packed, dense.bias, dense.output_sizes, weight.dtype)
+        return QuantLinear(packed, big, q4_max_rows)
+    big = OneDNNLinear.from_dense(dense) or dense
     if row_tiles is not None:
         return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_blocks else None)
     if big is dense:  # fp32 on a CPU: few rows through the small-batch loop
         dense.small_rows = cpu_gemv.MAX_ROWS if cpu_gemv.available(dense.weight) else 0
-    dtypes = (torch.bfloat16, torch.float32) if ours else (torch.bfloat16,)
-    if packed is None or q4_max_rows <= 0 or weight.dtype not in dtypes or weight.device.type != "cpu":
-        return big
-    return QuantLinear(packed, big, q4_max_rows)
+    return QuantLinear(packed, big, q4_max_rows) if quantized else big
 
 
 def one_row_pass(model: nn.Module, dtype: torch.dtype) -> tuple[Callable[[], None], tuple]:

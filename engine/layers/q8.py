@@ -7,7 +7,7 @@ embedding, as Q8_0: 32 int8 codes and one fp16 scale per block, 30 MB. Our kerne
 half the bytes, computed from the file's exact values (the bf16 table rounds each d * q to 8
 significant bits; this form does not). In an fp32 model the dense head holds 4 bytes a weight,
 so the blocks are a quarter of its read. `linear.QuantLinear` uses it for up to a measured number
-of rows and the dense form (oneDNN's in bf16) beyond.
+of rows and the same blocks' dequantized tiles beyond.
 
 Q6_K (the LM head of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, and some of their layers' v and
 down projections) runs in the same loops: its 6-bit codes widened to int8 (q - 32), scaled per 16
@@ -133,3 +133,14 @@ class Q8Weight:
         rows = x.numel() // self.in_features
         out = cpu_quant.q8_gemv(x.reshape(rows, self.in_features).contiguous(), self.codes, self.scales, self.supers)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def tiles_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` for many rows: the weight's tiles dequantized one at a time (cpu_quant.q8_tiles_mm)."""
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        out = cpu_quant.q8_tiles_mm(x2, self.codes, self.scales, self.supers)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] in `dtype`: the exact values rounded once, in natural order."""
+        return cpu_quant.dequantize(self.codes, self.scales, self.supers, self.out_features, dtype)

@@ -40,6 +40,7 @@ from engine.layers.int4_crossover import blocks_beat_padded_tiles, measure_int4_
 from engine.layers.linear import (
     BatchInvariantLinear,
     DenseLinear,
+    DequantTilesLinear,
     QuantLinear,
     QuantParts,
     QuantWeight,
@@ -380,7 +381,8 @@ class LlamaForCausalLM(nn.Module):
         for name in names:
             dense = self.get_submodule(name)
             assert isinstance(dense, DenseLinear)
-            self.set_submodule(name, finalize_linear(dense, q4.get(name), rows, self.row_tiles))
+            shared = dense.weight is weight  # a tied head: the embedding table stays resident anyway
+            self.set_submodule(name, finalize_linear(dense, q4.get(name), rows, self.row_tiles, shared))
         tiles = self.row_tiles
         if tiles is not None and tiles.decode_blocks and weight.dtype == torch.bfloat16:
             # bf16's alternative to the blocks is the padded tile (fp32's, a fixed-order loop that
@@ -400,8 +402,8 @@ class LlamaForCausalLM(nn.Module):
         head_rows = measure_int4_crossover([m for _, m in head], dtype) if head else 0
         for group, bound in ((layers, rows), (head, head_rows)):
             for name, m in group:
-                if bound > 0:
-                    m.max_rows = bound
+                if bound > 0 or isinstance(m.big, DequantTilesLinear):
+                    m.max_rows = bound  # 0: the blocks' tiles at every row count
                 else:  # the quantized kernel never wins here: keep only the dense form
                     self.set_submodule(name, m.big)
         return rows

@@ -25,6 +25,12 @@ torch::Tensor q8_lanes_pack(torch::Tensor codes, int64_t kind);
 torch::Tensor q8_blocks_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                              std::optional<torch::Tensor> supers, bool vectorized);
 bool quant_gemv_f32_vectorized();
+torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out);
+torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          std::optional<torch::Tensor> supers);
+torch::Tensor quant_dequantize(torch::Tensor codes, torch::Tensor scales, std::optional<torch::Tensor> offsets,
+                               int64_t n_out, torch::ScalarType dtype);
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out, bool vectorized);
 torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
@@ -71,6 +77,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemv_f32_vectorized", &quant_gemv_f32_vectorized,
         "whether q4_gemv_f32 and the natural-order 8-bit loops run vectorized here (AVX2+FMA+F16C or AVX-512F)");
   m.def("q4_gemv_f32", &q4_gemv_f32, "fp32 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q4_tiles_mm", &q4_tiles_mm, "bf16/fp32 x [M, K] @ W.T for many rows, W in 4-bit tiles, through dequantized tiles",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_tiles_mm", &q8_tiles_mm, "x [M, K] @ W.T for many rows, W in 8-bit blocks, through dequantized tiles",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("supers"), py::call_guard<py::gil_scoped_release>());
+  m.def("quant_dequantize", &quant_dequantize, "a block-quantized weight's W [N, K] in bf16 or fp32",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",
         py::call_guard<py::gil_scoped_release>());

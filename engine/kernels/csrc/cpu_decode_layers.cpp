@@ -49,6 +49,10 @@ torch::Tensor q8_blocks_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out, bool vectorized);
 torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t n_out);
+torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          std::optional<torch::Tensor> supers);
 
 namespace asyncllm {
 
@@ -60,8 +64,9 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   // Q6_K (int8 scales) and Q5_K (uint8 sc and m) have a third tensor, their d's
   const bool q6 = q8 && (parts[1].scalar_type() == torch::kChar || parts[1].scalar_type() == torch::kByte);
   const size_t quant = q8 && !q6 ? 2 : 3;  // tensors of the quantized form
-  TORCH_CHECK(parts.size() == 1 || parts.size() == quant || parts.size() == quant + 1,
-              "a projection is (codes, scales[, offsets]), its dense weight, or both");
+  // none: a fused projection whose parts' blocks come by set_pieces, with no dense weight
+  TORCH_CHECK(parts.size() <= 1 || parts.size() == quant || parts.size() == quant + 1,
+              "a projection is (codes, scales[, offsets]), its dense weight, both, or (pieces to come) none");
   Projection p{};
   p.out_features = out_features;
   p.q4_rows = parts.size() == 1 ? 0 : q4_rows;
@@ -71,7 +76,7 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
     p.scales = parts[1];
     if (quant == 3) p.offsets = parts[2];
   }
-  if (parts.size() != quant) p.dense = parts.back();
+  if (!parts.empty() && parts.size() != quant) p.dense = parts.back();
   if (bias.has_value()) p.bias = *bias;
   p.tile_rows = tile_rows;
   p.small_rows = small_rows;
@@ -121,7 +126,8 @@ torch::Tensor grouped_gemv_f32(const torch::Tensor& x, const Projection& w) {
 }
 
 // QuantLinear.forward: the quantized GEMV then `out + bias` up to the row bound, else the dense
-// form (DenseLinear.forward for an fp32 weight, OneDNNLinear.forward for a prepacked bf16 one).
+// form (DenseLinear.forward for an fp32 weight, OneDNNLinear.forward for a prepacked bf16 one), or
+// with no dense copy the blocks' dequantized tiles (DequantTilesLinear.forward).
 // Deterministic inference (tile_rows > 0): an fp32 block form covers every row count (q4_rows
 // beyond any batch: BatchInvariantLinear.blocks), else the tiles or groups of the dense weight.
 torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
@@ -136,7 +142,10 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
   if (w.codes.defined() && (t <= w.q4_rows || !w.dense.defined())) {
     const torch::Tensor xc = x.contiguous();
     torch::Tensor out;
-    if (w.q8)  // cpu_quant.q8_gemv: lane order for a bf16 x, else the fp32 loops
+    if (t > w.q4_rows)  // no dense copy: many rows through dequantized tiles (DequantTilesLinear)
+      out = w.q8 ? q8_tiles_mm(xc, w.codes, w.scales, optional(w.offsets))
+                 : q4_tiles_mm(xc, w.codes, w.scales, w.offsets, w.out_features);
+    else if (w.q8)  // cpu_quant.q8_gemv: lane order for a bf16 x, else the fp32 loops
       out = q8_blocks_gemv(xc, w.codes, w.scales, optional(w.offsets), true);
     else
       out = f32 ? q4_gemv_f32(xc, w.codes, w.scales, w.offsets, w.out_features, true)
@@ -201,8 +210,8 @@ void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vec
   p.pieces.clear();
   for (size_t i = 0; i < pieces.size(); ++i) {
     TORCH_CHECK(pieces[i].size() == 2 || pieces[i].size() == 3, "pieces: each a quantized form only");
-    // every row count that reaches a piece runs its blocks (the bound is the projection's)
-    p.pieces.push_back(projection(pieces[i], piece_out[i], std::numeric_limits<int64_t>::max(), std::nullopt, 0, 0));
+    // the projection's bound: above it a piece without a dense copy runs its dequantized tiles
+    p.pieces.push_back(projection(pieces[i], piece_out[i], q4_rows, std::nullopt, 0, 0));
     total += piece_out[i];
   }
   TORCH_CHECK(total == p.out_features, "pieces: their outputs must add up to the projection's");

@@ -13,8 +13,8 @@ namespace asyncllm {
 // scales; Q8_0 blocks when `q8`, Q6_K's or Q5_K's when `q8` with offsets, their per-256 d's) for inputs of at most q4_rows rows, its dense weight for more: bf16 prepacked for
 // oneDNN (engine/layers/linear.py OneDNNLinear), or fp32 as it is (DenseLinear: 1..small_rows
 // rows through cpu_gemv.cpp's loop, more through at::linear). Either may be missing (undefined
-// tensors): a dense-only model has q4_rows 0, a projection with no dense form serves at most
-// q4_rows rows.
+// tensors): a dense-only model has q4_rows 0; a projection with no dense form runs more than
+// q4_rows rows through its blocks' dequantized tiles (cpu_quant_tiles.cpp).
 struct Projection {
   torch::Tensor codes, scales, offsets;  // offsets: 4-bit, or Q6_K's / Q5_K's d's
   bool q8 = false;
@@ -93,7 +93,7 @@ class DecodeLayers {
                         std::optional<torch::Tensor> query_starts, std::optional<torch::Tensor> lora_slots) const;
   // `projection` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer` runs `pieces` (each one part's
   // quantized tensors, as add_layer takes them, its outputs `piece_out` wide) side by side for
-  // inputs of at most q4_rows rows, its dense weight above.
+  // inputs of at most q4_rows rows, its dense weight above (none: the pieces' dequantized tiles).
   void set_pieces(int64_t layer, int64_t projection, std::vector<std::vector<torch::Tensor>> pieces,
                   std::vector<int64_t> piece_out, int64_t q4_rows);
   // The LoRA pool's buffers of `projection` (0 q|k|v, 1 o, 2 gate|up, 3 down) in `layer`, kept by
