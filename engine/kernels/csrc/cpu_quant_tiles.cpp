@@ -6,13 +6,15 @@
 // a GEMM wins. The projections used to keep a dense copy beside the blocks for those rows: a 1B
 // Q4_K_M file of 0.67 GB held 3.0 GB of weights. Here the blocks are the only resident form.
 //
-// How: W's output rows in tiles of kTileBytes of the model's dtype (at most kMaxTileRows rows).
-// Each thread takes one tile at a time: it writes the tile's exact values rounded to x's dtype
-// (the values the dense copy held) into a buffer of its own, which stays in the core's L2, and
-// multiplies x by it with at::mm (oneDNN for bf16, AMX where the CPU has it; MKL for fp32),
-// single-threaded inside the parallel region. Measured on a 2-core Zen 4 (AVX512-BF16, no AMX),
-// 16384 x 2048 Q4_K in bf16: 1.05-1.1x the prepacked dense matmul's time from 256 rows, 1.2x at
-// 64; writing the tiles costs ~0.1 ns a weight, the rest is oneDNN's per-call packing.
+// How: W's output rows in tiles of at most kTileBytes of the model's dtype, as many tiles as a
+// multiple of the threads. Each thread takes one tile at a time: it writes the tile's exact values
+// rounded to x's dtype (the values the dense copy held) into a buffer of its own, which stays in
+// the core's L2, and multiplies x by it there. For a bf16 x on AVX512-BF16, our register-blocked
+// vdpbf16ps kernels do the multiply (the 4-bit tiles are written straight as VNNI pairs, the other
+// forms row by row into a dot-product kernel): at::mm on a plain tile repacks it on every call,
+// which cost more than the whole product below ~64 rows of x. Elsewhere (fp32: MKL; bf16 without
+// AVX512-BF16, and an AMX build's larger batches: oneDNN) at::mm runs single-threaded inside the
+// parallel region. docs/PERFORMANCE.md has the measurements.
 //
 // Arithmetic: every weight is the file's value exactly (a code times a scale that is an exact
 // product of the file's factors, plus an offset: one rounding in fp32, as the Python side's
@@ -59,7 +61,7 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef uint8_t v32b __attribute__((vector_size(32)));
 typedef int8_t v16c __attribute__((vector_size(16)));
 
-constexpr int64_t kTileBytes = 1 << 20;  // a tile's dequantized bytes: ~a core's L2
+constexpr int64_t kTileBytes = 1 << 20;  // a tile's dequantized bytes at most: ~a core's L2
 constexpr int64_t kMinTileRows = 64, kMaxTileRows = 512;
 constexpr int64_t kQ4Rows = asyncllm::q4_scales::kRows;  // rows per 4-bit tile
 constexpr int64_t kBlock = 32, kGroup = 256;
@@ -101,11 +103,6 @@ inline v16f small16(const B* p) {
   return __builtin_convertvector(__builtin_convertvector(v, v16i), v16f);
 }
 
-v16f load_scales(const float* s) {
-  v16f v;
-  std::memcpy(&v, s, sizeof(v));
-  return v;
-}
 
 // ---- 4-bit tiles -> W.T [K, ld], columns (t - t0) * 16 .. --------------------------------------
 
