@@ -34,7 +34,7 @@ def _runner(source, **kw) -> ModelRunner:
 def test_fused_forward_is_bit_identical_to_the_python_layers(default_source, default_tokenizer, monkeypatch):
     runner = _runner(default_source)
     model = runner.model
-    assert model.fused_decode is not None and model.fused_decode.max_rows is None  # dense above 4 rows
+    assert model.fused_decode is not None
     rows_seen = check_every_fused_forward(monkeypatch, model)
     texts = ["The lighthouse keeper climbed", "def fibonacci(n):", "1, 2, 3,", "Dear diary, today", "Once upon"]
     prompts = [default_tokenizer.encode(t) for t in texts]
@@ -60,12 +60,12 @@ def test_fused_path_only_where_it_applies(default_source):
     fp32 = _runner(default_source, dtype="float32").model.fused_decode  # the torch-op form (test_fused_decode_f32.py)
     assert fp32 is not None and not fp32.lora
     dense_only = _runner(default_source, q4_max_tokens=0).model.fused_decode  # every projection oneDNN
-    assert dense_only is not None and dense_only.max_rows is None
+    assert dense_only is not None
     assert _runner(default_source, disable_fused_decode=True).model.fused_decode is None
     assert _runner(default_source, attention_backend="torch").model.fused_decode is None
     measured = _runner(default_source, q4_max_tokens=None)  # the defaults: the bound is measured
     fused = measured.model.fused_decode
-    assert fused is not None and fused.max_rows is None and measured.q4_max_tokens >= 1
+    assert fused is not None and measured.q4_max_tokens >= 1
 
 
 def test_the_blocks_alone_run_every_row_count_fused(default_source, monkeypatch):
@@ -76,7 +76,7 @@ def test_the_blocks_alone_run_every_row_count_fused(default_source, monkeypatch)
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
     model = _runner(default_source).model
     fused = model.fused_decode
-    assert fused is not None and fused.max_rows is None
+    assert fused is not None
     proj = model.layers[0].mlp.down_proj
     assert isinstance(proj, linear.QuantLinear) and isinstance(proj.big, linear.DequantTilesLinear)
     assert _runner(default_source, q4_max_tokens=0).model.fused_decode is None  # nothing it can run
@@ -123,7 +123,7 @@ def test_qwen_layers_run_fused_bit_identically(kind, tmp_path, monkeypatch):
     assert (attn.qk_norm is not None) == (kind == "qwen3-qknorm")
     if quant:
         assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(attn.qkv_proj.packed, Q8Weight)
-    assert model.fused_decode is not None and model.fused_decode.max_rows is None
+    assert model.fused_decode is not None
     seen = check_every_fused_forward(monkeypatch, model)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 12)]

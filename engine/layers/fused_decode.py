@@ -147,7 +147,7 @@ def _form(module: Any) -> _Form | None:
             small_rows = big.small_rows
         # without a dense weight the loop runs the blocks' dequantized tiles above the bound
         tiles = isinstance(big, DequantTilesLinear)
-        if pieces and not (dense or tiles):
+        if not (dense or tiles):  # a form above the bound the loop has no kernel for
             return None
         bound = module.max_rows
         return _Form(
@@ -175,9 +175,8 @@ def _elementwise_forms(model: Any, dtype: torch.dtype) -> bool:
 class FusedDecodeLayers:
     """The C++ layer loop of one model over its KV pool; see the module docstring."""
 
-    def __init__(self, native: Any, max_rows: int | None, lora: bool = False, tiled: bool = False) -> None:
-        self.native = native
-        self.max_rows = max_rows  # None: every projection has a dense form or its tiles, any row count runs
+    def __init__(self, native: Any, lora: bool = False, tiled: bool = False) -> None:
+        self.native = native  # every projection has a dense form or its blocks' tiles: any row count runs
         self.lora = lora  # it adds the LoRA pool's deltas: forwards with adapter rows may take it
         # deterministic inference: its projections run decode's row tiles, so it takes decode-like
         # forwards only (an extend's tiles are another size: its rows would differ by path)
@@ -241,14 +240,11 @@ class FusedDecodeLayers:
                     native.set_pieces(i, j, list(tensors), list(widths), form.q4_rows)
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
-        any_rows = all(f.has_dense or f.tiles for layer in forms for f in layer)
-        return cls(native, None if any_rows else q4_rows, with_lora, tile_rows > 0)
+        return cls(native, with_lora, tile_rows > 0)
 
-    def plan(self, fb: ForwardBatch, num_tokens: int) -> KernelDecodePlan | KernelExtendPlan | None:
-        """This forward's kernel attention plan when the fused loop takes the forward (at most
-        `max_rows` tokens, the plain kernel decode or extend plan), else None."""
-        if self.max_rows is not None and num_tokens > self.max_rows:
-            return None
+    def plan(self, fb: ForwardBatch) -> KernelDecodePlan | KernelExtendPlan | None:
+        """This forward's kernel attention plan when the fused loop takes the forward (the plain
+        kernel decode or extend plan), else None."""
         if self.tiled and fb.forward_mode.is_extend() and not fb.forward_mode.is_verify():
             return None
         backend = fb.attn_backend

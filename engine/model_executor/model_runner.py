@@ -167,8 +167,7 @@ class ModelRunner(RunnerWeights):
             lora = self.lora.pool if self.lora is not None else None
             self.model.fused_decode = FusedDecodeLayers.build(self.model, self.kv_cache, lora)
             if self.model.fused_decode is not None:
-                rows = self.model.fused_decode.max_rows  # None: every projection is dense, no row bound
-                log.info("fused C++ decode layers for %s", "any row count" if rows is None else f"<= {rows} tokens")
+                log.info("fused C++ decode layers for any row count")
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights in the forms the forward reads: parameters, buffers and

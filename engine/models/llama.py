@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         # sliding window: `plan` declines a forward with a sequence past it)
         plan = None
         if fused is not None and (fb.lora is None or fb.lora.empty or fused.lora):
-            plan = fused.plan(fb, x.shape[0])
+            plan = fused.plan(fb)
         if fused is not None and plan is not None:  # a small decode: every layer in one C++ call
             x = fused.forward(x, *tables[0], fb, plan)
         else:
