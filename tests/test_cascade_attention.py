@@ -16,12 +16,13 @@ import torch
 
 from engine import Engine
 from engine.cache.memory_pool import KVCache, ReqToTokenPool
+from engine.kernels import cpu_attention
 from engine.layers import shared_prefix
 from engine.layers.attention_cpu import CpuAttnBackend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.attention_torch import TorchAttnBackend
 from engine.layers.cascade import CascadeDecodePlan
-from engine.layers.shared_prefix import plan_shared_prefix
+from engine.layers.shared_prefix import grouped_queries, plan_shared_prefix
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from engine.sampling import SamplingParams
 from tests.hf_reference import hf_greedy_outputs
@@ -63,6 +64,22 @@ def test_planner_finds_groups_and_prefix_lengths():
     own = [90 - 70, 75 - 70, 120 - 70, 71 - 70, 55 - 40, 41 - 40, 60, 80, 33, 100]
     assert plan.max_suffix == max(own)
     assert (~plan.suffix_pad).sum(1).tolist() == own
+
+
+def _bf16_dot_cpu() -> bool:
+    """Whether this CPU has AVX512-BF16 (the kernels are built for the machine they run on)."""
+    return "avx512_bf16" in open("/proc/cpuinfo").read()
+
+
+def test_grouped_queries_are_the_kernels_rows():
+    """The prefix half as the decode kernel takes it: one slot row per group, the members' queries
+    group by group, each over its own group's prefix length (not the padded longest)."""
+    table, seq_lens = _layout(torch.Generator().manual_seed(0))
+    plan = plan_shared_prefix(table, seq_lens)
+    grouped = grouped_queries(plan)
+    assert grouped.order.tolist() == [0, 1, 2, 3, 4, 5] and grouped.starts.tolist() == [0, 4, 6]
+    assert grouped.lens.tolist() == [70] * 4 + [40] * 2
+    assert torch.equal(grouped.rows[0], table[0, :70]) and torch.equal(grouped.rows[1, :40], table[4, :40])
 
 
 def test_planner_declines_when_sharing_does_not_pay():
@@ -115,6 +132,9 @@ def test_cascade_decode_equals_plain_decode(dtype, cpu_kernel):
         )
         be.init_forward_metadata(fb)
         assert isinstance(be.plan, CascadeDecodePlan) == cascade
+        if cascade and cpu_kernel:  # the prefix half in the kernel exactly where it reads a row once
+            assert (be.plan.grouped is not None) == cpu_attention.shares_rows(dtype)
+            assert cpu_attention.shares_rows(dtype) == (dtype == torch.bfloat16 and _bf16_dot_cpu())
         torch.manual_seed(3)  # the same q and new k/v (the decoded token's, written to its own slot)
         outs[cascade] = [
             be.forward(

@@ -10,7 +10,16 @@ import torch
 
 from engine.kernels.cpu_extension import load, module_or_raise
 
-__all__ = ["DTYPES", "HEAD_DIMS", "available", "decode_attention", "extend_attention", "load", "supports"]
+__all__ = [
+    "DTYPES",
+    "HEAD_DIMS",
+    "available",
+    "decode_attention",
+    "extend_attention",
+    "load",
+    "shares_rows",
+    "supports",
+]
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -24,6 +33,14 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """`supports` and the extension is built (building it now if it is not cached)."""
     return supports(device, dtype, head_dim) and load() is not None
+
+
+def shares_rows(dtype: torch.dtype) -> bool:
+    """Whether a decode with several queries per slot row (`query_starts`) reads each row's K/V
+    once for all of them: bf16 on the AVX512-BF16 kernels; the fp32-FMA kernels repeat the row per
+    query (correct, but no fewer reads than one row each)."""
+    module = load()
+    return dtype == torch.bfloat16 and module is not None and bool(module.attention_bf16dot_built())
 
 
 def decode_attention(

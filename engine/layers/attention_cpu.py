@@ -7,7 +7,8 @@ rows in place, once, with an online softmax: 3x faster than the torch backend's 
 three times (gather, copy, read). Extend runs the kernel's causal attention over prefix + new tokens.
 
 Decode batches whose requests share a radix prefix use cascade attention (cascade.py): the shared
-prefix once per group as one GEMM, the own suffixes through the kernel.
+prefix once per group (the kernel reading it in place for all the group's queries, or a GEMM), the
+own suffixes through the kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine.cache.memory_pool import KVCache
 from engine.kernels import cpu_attention
 from engine.layers.attention_ops import HeadLayout, PlannedAttnBackend, decode_rows
 from engine.layers.cascade import CascadeDecodePlan
-from engine.layers.shared_prefix import SharedPrefixPlan
+from engine.layers.shared_prefix import SharedPrefixPlan, grouped_queries
 from engine.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -45,11 +46,30 @@ class KernelDecodePlan:
 
 
 class KernelCascadePlan(CascadeDecodePlan):
-    """Cascade decode whose own suffixes go through the kernel."""
+    """Cascade decode whose own suffixes go through the kernel, and its shared prefixes too where
+    the kernel reads a row once for all its queries (bf16 on AVX512-BF16): each group's prefix is
+    read in place, with no gathered copy per layer (on W2's shape the gather and the GEMM's softmax
+    steps cost more than the arithmetic; docs/PERFORMANCE.md)."""
 
     def __init__(self, layout: HeadLayout, pool: KVCache, shared: SharedPrefixPlan) -> None:
         super().__init__(layout, pool, shared)
         self.suffix_slots = shared.suffix_slots.view(shared.suffix_lens.numel(), shared.max_suffix)
+        self.grouped = grouped_queries(shared) if cpu_attention.shares_rows(pool.dtype) else None
+
+    def attend_prefix(
+        self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grouped = self.grouped
+        if grouped is None:  # the kernel would read the prefix once per query: the GEMM instead
+            return super().attend_prefix(q, k_buffer, v_buffer)
+        queries = q.index_select(0, grouped.order)
+        out, lse = cpu_attention.decode_attention(
+            queries, k_buffer, v_buffer, grouped.rows, grouped.lens, self.layout.scaling, grouped.starts
+        )
+        b, h, d = q.shape
+        o1 = out.new_zeros(b, h, d, dtype=torch.float32).index_copy_(0, grouped.order, out.float())
+        lse1 = lse.new_full((b, h), float("-inf")).index_copy_(0, grouped.order, lse)
+        return o1, lse1
 
     def attend_suffix(
         self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor

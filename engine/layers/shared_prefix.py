@@ -48,6 +48,34 @@ class SharedPrefixPlan:
     suffix_lens: torch.Tensor  # [B] int64 on the host: each request's own part (>= 1)
 
 
+@dataclass
+class GroupedQueries:
+    """A cascade step's prefix half as the decode kernel takes it: one slot row per group (its
+    shared prefix), the grouped requests' queries in group order (`query_starts`: group r's are
+    `order[starts[r]:starts[r + 1]]`), each over its group's prefix length."""
+
+    order: torch.Tensor  # [Q] int64 batch rows of the grouped requests, group by group
+    starts: torch.Tensor  # [n + 1] int64
+    lens: torch.Tensor  # [Q] int64: each query's group's prefix length
+    rows: torch.Tensor  # [n, P] int64 prefix slots (padding past a group's length is never read)
+
+
+def grouped_queries(plan: SharedPrefixPlan) -> GroupedQueries:
+    """`plan`'s groups as the decode kernel's rows and queries (member slots past a group's size
+    are padding and left out)."""
+    n, p, m = plan.num_groups, plan.max_prefix, plan.max_members
+    slot = plan.member_slot.cpu()
+    grouped = (slot < n * m).nonzero().squeeze(1)
+    order = grouped[torch.argsort(slot[grouped])]  # member slots are group-major
+    counts = torch.bincount(slot[order] // m, minlength=n)
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    prefix_lens = torch.full((n,), p, dtype=torch.int64)
+    if plan.prefix_pad is not None:
+        prefix_lens -= plan.prefix_pad.cpu().sum(1)
+    lens = prefix_lens.repeat_interleave(counts)
+    return GroupedQueries(order, starts, lens, plan.prefix_slots.cpu().view(n, p))
+
+
 def _common_prefix_len(rows: torch.Tensor, limit: int) -> int:
     """Length of the leading run of columns on which all `rows` agree, at most `limit`."""
     head = rows[:, :limit]

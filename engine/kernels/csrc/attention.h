@@ -28,5 +28,8 @@ bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFlo
                               const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                               const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
                               float scale);
+// Whether this build has the vdpbf16ps kernels: a bf16 decode with several queries per slot row
+// then reads the row's K/V once for all of them (the fp32-FMA kernels repeat the row per query).
+bool attention_bf16dot_built();
 
 }  // namespace asyncllm

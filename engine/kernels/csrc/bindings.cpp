@@ -19,6 +19,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool quant_gemv_vectorized();
+namespace asyncllm {
+bool attention_bf16dot_built();
+}
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 torch::Tensor q8_lanes_pack(torch::Tensor codes, int64_t kind);
@@ -57,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
         py::arg("query_starts") = py::none());
   m.def("extend_attention", &extend_attention, "paged causal extend/prefill attention on CPU");
+  m.def("attention_bf16dot_built", &asyncllm::attention_bf16dot_built,
+        "whether bf16 decode attention reads a slot row once for all its queries (vdpbf16ps kernels)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a bf16 [T, 2I] gate|up slab");

@@ -469,6 +469,8 @@ bool decode_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFlo
   return true;
 }
 
+bool attention_bf16dot_built() { return true; }
+
 bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                               const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                               const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
@@ -484,6 +486,7 @@ bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFlo
 #else  // no AVX512-BF16: the fp32-FMA kernels run instead
 
 namespace asyncllm {
+bool attention_bf16dot_built() { return false; }
 bool decode_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                               const int64_t*, const int64_t*, const int64_t*, c10::BFloat16*, float*, int64_t, int64_t,
                               int64_t, int64_t, float) {
