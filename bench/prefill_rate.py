@@ -21,15 +21,15 @@ import argparse
 
 import torch
 
-from bench.roofline import gemm_rate, model_shapes
+from bench.roofline import gemm_rate, model_shapes, workload_counts
+from bench.workloads import Workload
 from engine import SamplingParams, ServerArgs, SyncScheduler, default_torch_threads, resolve_model
 
 
 def chunk_flops(m: dict, n: int) -> float:
-    """FLOPs of one prefill forward of `n` tokens on shapes `m` (bench.roofline's counting)."""
-    linears = 2 * n * m["layers"] * sum(k * out for k, out in m["shapes"])
-    attention = 4 * m["layers"] * m["heads"] * m["head_dim"] * n * (n + 1) / 2
-    return linears + attention + 2 * m["hidden"] * m["vocab"]
+    """FLOPs of one prefill forward of `n` tokens on shapes `m`: bench.roofline's count for a
+    one-request workload whose prompt is the chunk."""
+    return workload_counts(Workload("chunk", [[0] * n], [1]), m)["prefill_flops"]
 
 
 def prefill_seconds(model_path: str, dtype: str, chunk: int, passes: int, seed: int = 0) -> list[float]:

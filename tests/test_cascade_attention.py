@@ -66,11 +66,6 @@ def test_planner_finds_groups_and_prefix_lengths():
     assert (~plan.suffix_pad).sum(1).tolist() == own
 
 
-def _bf16_dot_cpu() -> bool:
-    """Whether this CPU has AVX512-BF16 (the kernels are built for the machine they run on)."""
-    return "avx512_bf16" in open("/proc/cpuinfo").read()
-
-
 def test_grouped_queries_are_the_kernels_rows():
     """The prefix half as the decode kernel takes it: one slot row per group, the members' queries
     group by group, each over its own group's prefix length (not the padded longest)."""
@@ -134,7 +129,8 @@ def test_cascade_decode_equals_plain_decode(dtype, cpu_kernel):
         assert isinstance(be.plan, CascadeDecodePlan) == cascade
         if cascade and cpu_kernel:  # the prefix half in the kernel exactly where it reads a row once
             assert (be.plan.grouped is not None) == cpu_attention.shares_rows(dtype)
-            assert cpu_attention.shares_rows(dtype) == (dtype == torch.bfloat16 and _bf16_dot_cpu())
+            bf16_dot = torch.cpu._is_avx512_bf16_supported()  # the kernels are built for this CPU
+            assert cpu_attention.shares_rows(dtype) == (dtype == torch.bfloat16 and bf16_dot)
         torch.manual_seed(3)  # the same q and new k/v (the decoded token's, written to its own slot)
         outs[cascade] = [
             be.forward(
