@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, MixtralConfig, Phi3Config, Qwen3MoeConfig
 
 from engine.layers.moe import FusedMoE
-from engine.layers.moe_q4 import Q4Experts
+from engine.layers.moe_quant import QuantExperts
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from tests.test_loader import llama_cpp_permute
@@ -68,15 +68,18 @@ def tiny_qwen3moe(seed: int = 0, **overrides):
     return model
 
 
-def write_qwen3moe_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
-    write_moe_gguf(path, model, "qwen3moe", expert_type)
+def write_qwen3moe_gguf(path, model, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32, expert_bytes=None):
+    write_moe_gguf(path, model, "qwen3moe", expert_type, expert_bytes)
 
 
-def write_moe_gguf(path, model, arch: str, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+def write_moe_gguf(path, model, arch: str, expert_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+                   expert_bytes=None) -> None:  # fmt: skip
     """`model` (Qwen3-MoE or Mixtral) as llama.cpp's converter writes it for `arch`: "qwen3moe"
     (the expert width as its own key, head sizes, q/k norms) or "llama" (Mixtral: q/k rows
     permuted, the expert width as the feed-forward length); the router `ffn_gate_inp`, the experts
-    stacked in `ffn_{gate,up,down}_exps`, stored as `expert_type`."""
+    stacked in `ffn_{gate,up,down}_exps`, stored as `expert_type` (quantized by gguf), or where
+    `expert_bytes(proj, (experts, rows, cols))` gives (qtype, bytes), those blocks instead of the
+    model's values (gguf cannot quantize to the K-quants)."""
     cfg = model.config
     mixtral = arch == "llama"
     inter = cfg.intermediate_size if mixtral else cfg.moe_intermediate_size
@@ -115,10 +118,12 @@ def write_moe_gguf(path, model, arch: str, expert_type: GGMLQuantizationType = G
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]: gate rows, then up rows
         stacks = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": sd[p + "mlp.experts.down_proj"]}
         for proj, data in stacks.items():
-            data = np.ascontiguousarray(data)
-            if raw is not None:
+            data, qtype = np.ascontiguousarray(data), raw
+            if expert_bytes is not None:
+                qtype, data = expert_bytes(proj, data.shape)
+            elif raw is not None:
                 data = gguf.quants.quantize(data, raw)
-            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", data, raw_dtype=raw)
+            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -311,7 +316,7 @@ def test_a_mixtral_gguf_serves_as_its_checkpoint(expert_type, tmp_path):
     runner = ModelRunner(family_args(str(path)))
     moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(moe) == cfg.num_hidden_layers
-    assert (
-        all((m.q4 is not None) == (expert_type != GGMLQuantizationType.F32) for m in moe) or not Q4Experts.available()
-    )
+    assert all(
+        (m.quant is not None) == (expert_type != GGMLQuantizationType.F32) for m in moe
+    ) or not QuantExperts.available(torch.float32)
     assert_scheduler_matches_transformers(runner, model, f"mixtral-gguf-{expert_type.name}")

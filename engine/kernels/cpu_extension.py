@@ -41,6 +41,7 @@ SOURCES = (
     "cpu_quant_tiles.cpp",
     "cpu_gemv.cpp",
     "cpu_decode_layers.cpp",
+    "cpu_moe_quant.cpp",
     "cpu_decode_f32_ops.cpp",
     "cpu_lora.cpp",
     "cpu_moe.cpp",

@@ -61,6 +61,7 @@ from engine.layers.linear import (
     QuantLinear,
     QuantParts,
     RowTiles,
+    native_blocks,
 )
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
@@ -96,21 +97,6 @@ def _fp32_dense(module: Any) -> bool:
 EVERY_ROW = 2**62  # a quantized form's row bound that no forward reaches
 
 
-def _block_parts(packed: TiledQ4Weight | Q8Weight) -> list[torch.Tensor]:
-    """A block form's tensors as the loop takes them: 4-bit tiles (codes, scales, offsets), Q8_0
-    (int8 codes, scales), Q6_K (int8 codes, int8 scales, d) or Q5_K (int8 codes, sc|m, d|dmin)."""
-    if isinstance(packed, TiledQ4Weight):
-        return [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets]
-    return [packed.codes, packed.scales] + ([] if packed.supers is None else [packed.supers])
-
-
-def _blocks_form(packed: TiledQ4Weight | Q8Weight | QuantParts) -> tuple[list[torch.Tensor], tuple]:
-    """(the quantized tensors add_layer takes, the pieces set_pieces takes): one of them empty."""
-    if isinstance(packed, QuantParts):
-        return [], tuple((_block_parts(f), f.out_features) for f in packed.forms)
-    return _block_parts(packed), ()
-
-
 def _form(module: Any) -> _Form | None:
     """`module` as the loop runs it, or None (a form the loop has no kernel for)."""
     if isinstance(module, BatchInvariantLinear):
@@ -119,7 +105,7 @@ def _form(module: Any) -> _Form | None:
         inner = module.inner
         if isinstance(inner, OneDNNLinear):
             if module.blocks is not None and module.tiles.decode_blocks:  # bf16 block loops, every row count
-                blocks, pieces = _blocks_form(module.blocks)
+                blocks, pieces = native_blocks(module.blocks)
                 parts = [*blocks, inner.packed]
                 return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, RowTiles.DECODE, pieces=pieces)
             return _Form([inner.packed], inner.out_features, None, inner.bias, True, RowTiles.DECODE)
@@ -127,7 +113,7 @@ def _form(module: Any) -> _Form | None:
             if module.blocks is None:
                 return _Form([inner.weight], inner.out_features, None, inner.bias, True, cpu_gemv.MAX_ROWS)
             # the block loops at every row count (no bound: `BatchInvariantLinear.blocks`)
-            blocks, pieces = _blocks_form(module.blocks)
+            blocks, pieces = native_blocks(module.blocks)
             parts = [*blocks, inner.weight]
             return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, cpu_gemv.MAX_ROWS, pieces=pieces)
         return None
@@ -137,7 +123,7 @@ def _form(module: Any) -> _Form | None:
         return _Form([module.weight], module.out_features, None, module.bias, True, small_rows=module.small_rows)
     if isinstance(module, QuantLinear) and isinstance(module.packed, (TiledQ4Weight, Q8Weight, QuantParts)):
         packed, big = module.packed, module.big
-        parts, pieces = _blocks_form(packed)
+        parts, pieces = native_blocks(packed)
         small_rows = 0
         dense = isinstance(big, OneDNNLinear) or _fp32_dense(big)
         if isinstance(big, OneDNNLinear):

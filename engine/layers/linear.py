@@ -30,6 +30,7 @@ except where the dense weight is shared, as a tied LM head shares the embedding 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_gemv, cpu_quant
-from engine.layers.int4 import PackedInt4Weight, TiledQ4Weight
-from engine.layers.q8 import Q8Weight
+from engine.layers.int4 import PackedInt4Weight, Q4Blocks, TiledQ4Weight
+from engine.layers.q8 import Q8Blocks, Q8Weight
 
 
 @dataclass
@@ -73,6 +74,29 @@ class QuantParts:
 
 
 QuantWeight = TiledQ4Weight | PackedInt4Weight | Q8Weight | QuantParts  # each has matmul, nbytes, in/out_features
+
+
+def pack_parts(parts: Sequence[Q4Blocks | Q8Blocks], dtype: torch.dtype) -> QuantWeight | None:
+    """A fused projection's parts' blocks (rows in order) in the fastest form the kernels take for
+    a model computing in `dtype`: consecutive parts of one kind fuse, kinds that differ (Q4_K_M's
+    Q4_K q|k beside a Q6_K v) run side by side; None where some part has no kernel form."""
+    runs = [list(run) for _, run in itertools.groupby(parts, key=lambda b: (type(b), b.group_size, b.k is None))]
+    forms = [type(run[0]).cat(run).pack(dtype) for run in runs]
+    if len(forms) == 1:
+        return forms[0]
+    return QuantParts(forms) if all(isinstance(f, (TiledQ4Weight, Q8Weight)) for f in forms) else None
+
+
+def native_blocks(packed: TiledQ4Weight | Q8Weight | QuantParts) -> tuple[list[torch.Tensor], tuple]:
+    """A block form as the C++ projections take it (decode_layers.h `Projection`): (its tensors,
+    ()) — 4-bit tiles (codes, scales, offsets), Q8_0 (int8 codes, scales), Q6_K (int8 codes, int8
+    scales, d) or Q5_K (int8 codes, sc|m, d|dmin) — or for a `QuantParts` ([], each part's
+    (tensors, output width)), the pieces `set_pieces` takes."""
+    if isinstance(packed, QuantParts):
+        return [], tuple((native_blocks(f)[0], f.out_features) for f in packed.forms)
+    if isinstance(packed, TiledQ4Weight):
+        return [packed.tiles.codes, packed.tiles.scales, packed.tiles.offsets], ()
+    return [packed.codes, packed.scales] + ([] if packed.supers is None else [packed.supers]), ()
 
 
 def onednn_prepack_available() -> bool:

@@ -3,10 +3,10 @@ a router picks `top_k` of `num_experts` gated MLPs per token and sums their outp
 
 `FusedMoE` (SGLang's name) holds every expert's weights stacked, in the model dtype: `w13`
 `[E, 2I, H]` (gate rows, then up rows: one GEMM per expert, as `LlamaMLP`'s fused gate|up) and
-`w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. An fp32 model loaded from a GGUF whose experts
-are Q4_0/Q4_1 (or quantized by `--torchao-config int4wo-*`) also keeps them in those 4-bit blocks
-(moe_q4.py) for forwards of up to `Q4_MAX_GROUP` pairs an expert; there is no oneDNN-prepacked form
-of the experts.
+`w2` `[E, H, I]`, plus the router's `gate` `[E, H]`. A CPU model loaded from a GGUF (or quantized by
+`--torchao-config`) whose experts came in blocks a kernel form takes keeps them in those blocks
+only (moe_quant.py: every forward runs them, the dense stacks are dropped) until a weight update
+gives it dense values again; there is no oneDNN-prepacked form of the experts.
 
 Routing follows transformers' op order exactly (fp32 greedy tokens are compared token for token):
 router logits in the model dtype -> softmax in fp32 -> top-k -> divided by their sum when
@@ -41,7 +41,8 @@ from engine.distributed.parallel_state import TPGroup
 from engine.kernels import cpu_extension
 from engine.layers.activation import get_act_and_mul
 from engine.layers.int4 import Q4Blocks
-from engine.layers.moe_q4 import Q4Experts
+from engine.layers.moe_quant import QuantExperts
+from engine.layers.q8 import Q8Blocks
 
 # A CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is at
 # most this many (token, expert) pairs; larger groups go faster through the library GEMMs. Measured
@@ -49,10 +50,9 @@ from engine.layers.moe_q4 import Q4Experts
 # against MKL's sgemm at 16-64 (the kernel's fp32 rows need no widening, and sgemm runs at a lower
 # rate than the AMX/AVX512-BF16 GEMMs).
 KERNEL_MAX_GROUP = {torch.bfloat16: 8, torch.float32: 24}
-# An fp32 forward runs the experts' 4-bit blocks (moe_q4.py), when it has them, while the mean
-# expert group is at most this many pairs: they beat the fp32 kernel at every group size measured
-# and the grouped sgemm path up to 32-64 pairs (docs/PERFORMANCE.md).
-Q4_MAX_GROUP = 32
+# Rows per expert above which the quantized experts run their dequantized tiles, where the model
+# has no quantized dense projection whose crossover was measured (int4_crossover.py)
+EXPERT_ROW_BOUND = 16
 
 
 class FusedMoE(nn.Module):
@@ -91,19 +91,25 @@ class FusedMoE(nn.Module):
         module = cpu_extension.load() if device.type == "cpu" and dtype in KERNEL_MAX_GROUP else None
         self.kernel = module if hidden_act == "silu" and hasattr(module, "moe_experts") else None
         self.kernel_max_pairs = KERNEL_MAX_GROUP.get(dtype, 0) * num_experts
-        # the 4-bit experts, filled while loading (`keep_blocks`) and kept by `finish_loading`
-        four_bit = dtype == torch.float32 and hasattr(self.kernel, "moe_experts_q4") and Q4Experts.available()
-        self._q4_loading = Q4Experts(expert_start, local, intermediate_size) if four_bit else None
-        self.q4: Q4Experts | None = None
-        self.q4_max_pairs = Q4_MAX_GROUP * num_experts
+        # the experts in blocks, filled while loading (`keep_blocks`) and kept by `finish_loading`
+        blocks = device.type == "cpu" and hidden_act == "silu" and QuantExperts.available(dtype)
+        quant = QuantExperts(expert_start, local, hidden_size, intermediate_size, dtype) if blocks else None
+        self._quant_loading = quant
+        self.quant: QuantExperts | None = None
 
     def holds(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
+    def expert_shape(self, proj: str) -> tuple[int, int]:
+        """The shape of checkpoint tensor `experts.<e>.<proj>.weight` on this rank."""
+        hidden = self.gate.shape[1]
+        return (self.intermediate_size, hidden) if proj != "down_proj" else (hidden, self.intermediate_size)
 
     def expert_weight(self, expert: int, proj: str) -> torch.Tensor:
         """The part of `w13`/`w2` that checkpoint tensor `experts.<expert>.<proj>.weight` fills
         (a view; `expert` one this rank holds; `proj` is `gate_proj`, `up_proj` or `down_proj`)."""
         assert self.holds(expert), f"expert {expert} is not on this rank"
+        assert self.quant is None, "the experts are in blocks: drop_quantized() first"
         expert -= self.expert_start
         i = self.intermediate_size
         if proj == "gate_proj":
@@ -114,26 +120,54 @@ class FusedMoE(nn.Module):
 
     @property
     def takes_blocks(self) -> bool:
-        """Whether this layer (still loading) would run its experts' 4-bit blocks."""
-        return self._q4_loading is not None
+        """Whether this layer (still loading) would run its experts' blocks."""
+        return self._quant_loading is not None
 
-    def keep_blocks(self, expert: int, proj: str, blocks: object, tensor: torch.Tensor) -> None:
-        """A loaded expert projection's 4-bit blocks (its exact values), when it came with them
-        whole (a tensor-parallel slice has none); anything else leaves the layer dense only."""
-        if self._q4_loading is not None:
-            whole = isinstance(blocks, Q4Blocks) and tuple(blocks.q.shape) == tuple(tensor.shape)
-            self._q4_loading.add(expert, proj, blocks if whole else None)
+    def keep_blocks(self, expert: int, proj: str, blocks: object, tensor: torch.Tensor) -> bool:
+        """Keep a loaded expert projection's blocks (its exact values) when it came with them whole
+        (a tensor-parallel slice has none) and the layer can still run its experts in blocks: True,
+        and the loader skips the dense copy. Otherwise the layer goes dense (the values kept so far
+        written into the stacks) and the loader copies `tensor`."""
+        loading = self._quant_loading
+        if loading is None:
+            return False
+        whole = isinstance(blocks, (Q4Blocks, Q8Blocks)) and tuple(blocks.q.shape) == tuple(tensor.shape)
+        if whole and loading.add(expert, proj, blocks):
+            return True
+        self._quant_loading = None
+        self._write_dense(loading)
+        return False
 
-    def finish_loading(self, quantized: bool) -> None:
-        """Keep the 4-bit experts if every expert came with blocks and `quantized` (the model's
-        4-bit path is on)."""
-        loading, self._q4_loading = self._q4_loading, None
-        if loading is not None and loading.finish() and quantized:
-            self.q4 = loading
+    def _write_dense(self, loading: QuantExperts) -> None:
+        for expert, proj, values in loading.held():
+            if proj == "gate_up":
+                self.w13.data[expert - self.expert_start].copy_(values)
+            elif proj == "down":
+                self.w2.data[expert - self.expert_start].copy_(values)
+            else:
+                self.expert_weight(expert, proj).copy_(values)
+
+    def finish_loading(self, quantized: bool, row_bound: int = EXPERT_ROW_BOUND) -> None:
+        """Run the experts in blocks only if every expert came with blocks and `quantized` (the
+        model's quantized path is on): the dense stacks (never written) are freed; otherwise they
+        get the blocks' values. `row_bound`: the model's measured crossover from the block loops
+        to the dequantized tiles."""
+        loading, self._quant_loading = self._quant_loading, None
+        if loading is None:
+            return
+        if quantized and loading.finish(row_bound):
+            self.quant = loading
+            for p in (self.w13, self.w2):
+                p.data = p.data.new_empty(0)
+        else:
+            self._write_dense(loading)
 
     def drop_quantized(self) -> None:
-        """New dense values were copied in (a weight update): the 4-bit form is stale."""
-        self.q4 = None
+        """Go back to dense experts (the blocks' values), so new dense values can be copied in (a
+        weight update): the blocks would be stale."""
+        if self.quant is not None:
+            self.w13.data, self.w2.data = self.quant.dense(self.w13.dtype)
+            self.quant = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's routing weights and expert ids, `[T, top_k]` each (transformers' router)."""
@@ -176,9 +210,9 @@ class FusedMoE(nn.Module):
             from engine.layers.triton_moe import fused_experts  # a CPU model never imports triton
 
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn, self.expert_start))
+        if self.quant is not None:
+            return self.tp.all_reduce(self.quant.run(x, ids - self.expert_start, weights.float()))
         pairs = x.shape[0] * self.top_k
-        if self.q4 is not None and pairs <= self.q4_max_pairs:
-            return self.tp.all_reduce(self.q4.run(self.kernel, x, ids - self.expert_start, weights.float()))
         if self.kernel is not None and pairs <= self.kernel_max_pairs:
             out = self.kernel.moe_experts(x, self.w13, self.w2, ids - self.expert_start, weights.float())
             return self.tp.all_reduce(out)

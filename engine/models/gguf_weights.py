@@ -27,7 +27,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from engine.errors import ModelLoadError
 from engine.layers.int4 import Q4Blocks
 from engine.layers.q8 import Q8Blocks
-from engine.models.gguf_blocks import Q4_TYPES, blocks_of, q4_blocks
+from engine.models.gguf_blocks import blocks_of
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 stored counts in 32 bits and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -356,11 +356,12 @@ def iter_gguf_tensors(
                 raise ModelLoadError(f"GGUF file {path} is truncated ({e})") from None
             except (ValueError, OSError) as e:
                 raise ModelLoadError(f"GGUF file {path}: {e}") from e
-            if f".experts.{EXPERTS}." in hf_name:  # one tensor per expert, each with its 4-bit blocks
-                wanted = with_q4 and index.architecture in _Q4_ARCHS and info.qtype in Q4_TYPES
-                per_expert = blocks.reshape(tensor.shape[0], -1) if wanted else None
+            if f".experts.{EXPERTS}." in hf_name:  # one tensor per expert, each with its blocks
+                per_expert = blocks.reshape(tensor.shape[0], -1) if kept else None
+                shape = tuple(tensor.shape[1:])
                 for e in range(tensor.shape[0]):
-                    q4 = None if per_expert is None else q4_blocks(per_expert[e], info.qtype, tuple(tensor.shape[1:]))
-                    yield hf_name.replace(f".{EXPERTS}.", f".{e}."), tensor[e], q4
+                    name = hf_name.replace(f".{EXPERTS}.", f".{e}.")
+                    q4 = None if per_expert is None else blocks_of(per_expert[e], info.qtype, shape, name)
+                    yield name, tensor[e], q4
                 continue
             yield hf_name, tensor, q4

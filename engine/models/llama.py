@@ -22,7 +22,6 @@ Every implementation choice is made before the first forward, never inside one:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -35,22 +34,22 @@ from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.fused_decode import FusedDecodeLayers
-from engine.layers.int4 import Q4Blocks, TiledQ4Weight
+from engine.layers.int4 import Q4Blocks
 from engine.layers.int4_crossover import blocks_beat_padded_tiles, measure_int4_crossover
 from engine.layers.linear import (
     BatchInvariantLinear,
     DenseLinear,
     DequantTilesLinear,
     QuantLinear,
-    QuantParts,
     QuantWeight,
     RowTiles,
     finalize_linear,
+    pack_parts,
 )
-from engine.layers.moe import FusedMoE
-from engine.layers.moe_q4 import EXPERT_PROJS
+from engine.layers.moe import EXPERT_ROW_BOUND, FusedMoE
+from engine.layers.moe_quant import EXPERT_PROJS
 from engine.layers.norm import RMSNorm
-from engine.layers.q8 import Q8Blocks, Q8Weight
+from engine.layers.q8 import Q8Blocks
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabEmbedding
 from engine.layers.weight_quant import WeightOnlyQuant
@@ -208,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
 
         Each item may carry the weight's quantized blocks (`ModelSource.iter_weights_q4`); `quant`
         (`--torchao-config`) quantizes each decoder-layer projection part that came without, and
-        the part then loads as its blocks dequantized (a MoE layer's experts too, with a 4-bit
-        config, where the layer can run them in 4 bits: moe_q4.py). Returns, by projection name,
+        the part then loads as its blocks dequantized (a MoE layer's experts too, which the layer
+        keeps in blocks without a dense copy where it can run them so: moe_quant.py). Returns, by projection name,
         the quantized form of each projection whose every part came with blocks of one kind (one
         dense part, or a shape the kernel cannot take, leaves that projection dense only), and of
         the LM head when its weight (or the embedding it is tied to) came as Q8_0.
@@ -233,12 +232,13 @@ class LlamaForCausalLM(nn.Module):
             elif target.kind == EXPERT:
                 moe = self.get_submodule(target.path)
                 assert isinstance(moe, FusedMoE)
-                four_bit = quant is not None and quant.bits == 4 and moe.takes_blocks
-                if blocks is None and four_bit and quant.applies_to(tensor):  # int4wo: experts the 4-bit kernel runs
-                    blocks = quant.quantize(tensor)
+                if blocks is None and quant is not None and moe.takes_blocks and quant.applies_to(tensor):
+                    blocks = quant.quantize(tensor)  # --torchao-config: experts the block kernels run
                     tensor = blocks.dequantize()
-                self._copy(moe.expert_weight(target.part, target.attr), tensor, name)
-                moe.keep_blocks(target.part, target.attr, blocks, tensor)
+                if (shape := tuple(tensor.shape)) != moe.expert_shape(target.attr):
+                    raise ModelLoadError(f"weight {name} has shape {shape}, expected {moe.expert_shape(target.attr)}")
+                if not moe.keep_blocks(target.part, target.attr, blocks, tensor):  # kept: no dense copy
+                    self._copy(moe.expert_weight(target.part, target.attr), tensor, name)
                 seen.add((f"{target.path}.experts.{target.attr}", target.part))
             elif target.kind == PART:
                 layer_weight = target.attr == "weight" and target.path != "lm_head"
@@ -315,17 +315,9 @@ class LlamaForCausalLM(nn.Module):
             ordered = [have[s] for s in sorted(have)]
             if any(b is None for b in ordered):  # a part came dense: the projection stays dense
                 return
-            # consecutive parts of one kind fuse; kinds that differ (Q4_K_M's Q4_K q|k, Q6_K v)
-            # run side by side
-            runs = [
-                list(run) for _, run in itertools.groupby(ordered, key=lambda b: (type(b), b.group_size, b.k is None))
-            ]
-            dtype = self.embed_tokens.weight.dtype
-            forms = [type(run[0]).cat(run).pack(dtype) for run in runs]
-            if len(forms) == 1 and forms[0] is not None:
-                packed[path] = forms[0]
-            elif len(forms) > 1 and all(isinstance(f, (TiledQ4Weight, Q8Weight)) for f in forms):
-                packed[path] = QuantParts(forms)
+            form = pack_parts(ordered, self.embed_tokens.weight.dtype)
+            if form is not None:
+                packed[path] = form
 
     def _expected_parts(self) -> set[tuple[str, int]]:
         """(parameter, part) pairs a complete checkpoint sets (a tied LM head is the embedding)."""
@@ -365,14 +357,19 @@ class LlamaForCausalLM(nn.Module):
         oneDNN or quantized form exists (a tied LM head keeps the embedding table, which the lookup
         still reads). `batch_invariant` (deterministic inference): every projection, the LM head
         included, runs its dense form in fixed row tiles and no quantized form is kept (returns 0).
-        A MoE layer keeps its 4-bit experts (moe_q4.py) unless the quantized path is off.
+        A MoE layer runs its experts in blocks (moe_quant.py) unless the quantized path is off.
         """
+        rows = self._finalize_projections(q4, q4_max_rows, batch_invariant)
+        quantized = q4_max_rows != 0 and not batch_invariant
+        for module in self.modules():
+            if isinstance(module, FusedMoE):  # the experts' bound: the layers' crossover where one was found
+                module.finish_loading(quantized, rows if rows > 0 else EXPERT_ROW_BOUND)
+        return rows
+
+    def _finalize_projections(self, q4: dict[str, QuantWeight], q4_max_rows: int | None, batch_invariant: bool) -> int:
         for layer in self.layers:
             if layer.self_attn.qk_norm is not None:
                 layer.self_attn.qk_norm.process_weights_after_loading()
-        for module in self.modules():
-            if isinstance(module, FusedMoE):  # its 4-bit experts unless the quantized path is off
-                module.finish_loading(quantized=q4_max_rows != 0 and not batch_invariant)
         measure = q4_max_rows is None and not batch_invariant
         rows = 0 if batch_invariant else 1 if q4_max_rows is None else q4_max_rows  # 1: provisional while measuring
         weight = self.embed_tokens.weight

@@ -12,7 +12,7 @@ overwritten, and finalized again. An updated projection runs dense (prepacked wh
 new values come without 4-bit blocks, and quantizing a trainer's weights would serve other
 numbers than the trainer's. A MoE layer's expert tensors (engine/layers/moe.py) run from their
 stacked weights as they are: each is staged whole and copied into its rows, and the layer drops
-its 4-bit experts (it runs dense from then on, as an updated projection does). A whole new
+its experts in blocks (it runs dense from then on, as an updated projection does). A whole new
 checkpoint on disk is loaded as a new model instead (`ModelRunner.update_weights_from_disk`),
 which keeps a GGUF's quantized forms.
 """
@@ -93,7 +93,7 @@ def stage_tensor_update(
         if target.kind == EXPERT:
             moe = model.get_submodule(target.path)
             assert isinstance(moe, FusedMoE)
-            _check_shape(name, tensor, tuple(moe.expert_weight(target.part, target.attr).shape))
+            _check_shape(name, tensor, moe.expert_shape(target.attr))
             staged.experts[(target.path, target.part, target.attr)] = tensor
             continue
         assert target.kind == PART
@@ -124,8 +124,8 @@ def apply_staged(model: LlamaForCausalLM, staged: StagedWeights) -> None:
         for (path, expert, proj), value in staged.experts.items():
             moe = model.get_submodule(path)
             assert isinstance(moe, FusedMoE)
+            moe.drop_quantized()  # dense experts again (the blocks' values), then the new values in
             moe.expert_weight(expert, proj).copy_(value)
-            moe.drop_quantized()
     for path, module in staged.modules.items():
         model.set_submodule(path, module)
     head = model.lm_head

@@ -40,10 +40,8 @@ torch::Tensor lora_add_(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch
                         std::vector<int64_t> part_sizes, int64_t rank, torch::Tensor row_slots);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
                           torch::Tensor weights);
-torch::Tensor moe_experts_q4(torch::Tensor x, torch::Tensor w13_codes, torch::Tensor w13_scales,
-                             torch::Tensor w13_offsets, torch::Tensor w2_codes, torch::Tensor w2_scales,
-                             torch::Tensor w2_offsets, int64_t inter, torch::Tensor ids, torch::Tensor weights);
 torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void bind_quant_experts(pybind11::module& m);  // cpu_moe_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // This library's copy of ATen's once-per-thread thread-count init runs at its first parallel
@@ -93,8 +91,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &moe_experts, "a MoE layer's experts for a few bf16 or fp32 tokens (engine/layers/moe.py)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("moe_experts_q4", &moe_experts_q4, "a MoE layer's 4-bit experts for a few fp32 tokens (engine/layers/moe.py)",
-        py::call_guard<py::gil_scoped_release>());
+  bind_quant_experts(m);
   py::class_<asyncllm::DecodeLayers>(m, "DecodeLayers")
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &asyncllm::DecodeLayers::add_layer)

@@ -174,6 +174,28 @@ torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
 
 }  // namespace
 
+Projection make_projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
+  return projection(parts, out_features, q4_rows, std::nullopt, 0, 0);
+}
+
+torch::Tensor project_rows(const torch::Tensor& x, const Projection& w) { return gemv(x, w); }
+
+void set_projection_pieces(Projection& p, const std::vector<std::vector<torch::Tensor>>& pieces,
+                           const std::vector<int64_t>& piece_out, int64_t q4_rows) {
+  TORCH_CHECK(!pieces.empty() && pieces.size() == piece_out.size(), "pieces: one output width per piece");
+  TORCH_CHECK(!p.codes.defined(), "pieces: the projection has one quantized form already");
+  int64_t total = 0;
+  p.pieces.clear();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    TORCH_CHECK(pieces[i].size() == 2 || pieces[i].size() == 3, "pieces: each a quantized form only");
+    // the projection's bound: above it a piece without a dense copy runs its dequantized tiles
+    p.pieces.push_back(projection(pieces[i], piece_out[i], q4_rows, std::nullopt, 0, 0));
+    total += piece_out[i];
+  }
+  TORCH_CHECK(total == p.out_features, "pieces: their outputs must add up to the projection's");
+  p.q4_rows = q4_rows;
+}
+
 DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scaling_(scaling) {
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0, "head shapes");
@@ -202,20 +224,9 @@ void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor
 void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vector<torch::Tensor>> pieces,
                               std::vector<int64_t> piece_out, int64_t q4_rows) {
   TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= which && which < 4, "pieces: layer or projection");
-  TORCH_CHECK(!pieces.empty() && pieces.size() == piece_out.size(), "pieces: one output width per piece");
   DecodeLayer& l = layers_[layer];
-  Projection& p = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
-  TORCH_CHECK(!p.codes.defined(), "pieces: the projection has one quantized form already");
-  int64_t total = 0;
-  p.pieces.clear();
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    TORCH_CHECK(pieces[i].size() == 2 || pieces[i].size() == 3, "pieces: each a quantized form only");
-    // the projection's bound: above it a piece without a dense copy runs its dequantized tiles
-    p.pieces.push_back(projection(pieces[i], piece_out[i], q4_rows, std::nullopt, 0, 0));
-    total += piece_out[i];
-  }
-  TORCH_CHECK(total == p.out_features, "pieces: their outputs must add up to the projection's");
-  p.q4_rows = q4_rows;
+  set_projection_pieces(which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down, pieces, piece_out,
+                        q4_rows);
 }
 
 void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,

@@ -15,9 +15,7 @@
 // per add. fp32: the same steps with nothing to round. Only the summation order inside each dot
 // product differs from the GEMM libraries' (and, in fp32, exp's last bit inside SiLU).
 //
-// moe_experts_q4: fp32 tokens, each expert's weights in a GGUF's own 4-bit blocks (Q4_0/Q4_1, the
-// weights' exact values) run through cpu_quant_gemv_f32.cpp's tile loops: a decode step of a MoE
-// model reads an eighth of the fp32 experts' bytes.
+// Experts kept in a GGUF's blocks run in cpu_moe_quant.cpp instead.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -27,7 +25,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "quant_f32.h"
 #include "vec_native.h"
 
 // The product of the routing weight and the sum into the output are two roundings, as in torch.
@@ -193,43 +190,6 @@ torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const
   return out;
 }
 
-// A 4-bit weight's arrays for every expert, stacked (q4_pack's layout per expert, cpu_quant.py)
-struct StackedQ4 {
-  const uint8_t* codes;
-  const c10::Half* scales;
-  const c10::Half* offsets;
-  int64_t rows, k, code_stride, scale_stride;  // per expert: its rows and the arrays' strides
-
-  StackedQ4(const torch::Tensor& c, const torch::Tensor& s, const torch::Tensor& o, int64_t n_rows,
-            const char* name)
-      : rows(n_rows) {
-    TORCH_CHECK(c.scalar_type() == torch::kUInt8 && c.is_contiguous() && c.dim() == 5 && c.size(3) == 8 &&
-                    c.size(4) == 32,
-                "moe_experts_q4: ", name, " codes uint8 [E, T, K/32, 8, 32]");
-    for (const torch::Tensor* t : {&s, &o})
-      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 4 &&
-                      t->size(0) == c.size(0) && t->size(1) == c.size(1) && t->size(2) == c.size(2) &&
-                      t->size(3) == 16,
-                  "moe_experts_q4: ", name, " scales and offsets fp16 [E, T, K/32, 16]");
-    TORCH_CHECK(n_rows > (c.size(1) - 1) * 16 && n_rows <= c.size(1) * 16, "moe_experts_q4: ", name,
-                " rows must fill the last tile");
-    codes = c.data_ptr<uint8_t>();
-    scales = s.data_ptr<c10::Half>();
-    offsets = o.data_ptr<c10::Half>();
-    k = c.size(2) * 32;
-    code_stride = c.stride(0);
-    scale_stride = s.stride(0);
-  }
-
-  int64_t tiles() const { return (rows + 15) / 16; }
-
-  // tile t of expert e against m rows of x (with their block sums): y[i * n_out + row]
-  void tile(int64_t e, int64_t t, const float* x, const float* sx, int64_t m, float* y, int64_t n_out) const {
-    q4_tile_rows_f32(x, sx, m, k, codes + e * code_stride, scales + e * scale_stride, offsets + e * scale_stride, y,
-                     n_out, t);
-  }
-};
-
 }  // namespace
 }  // namespace asyncllm
 
@@ -245,68 +205,4 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
               "moe_experts: bf16 or fp32 tensors, one dtype, on the CPU");
   if (dtype == torch::kFloat) return asyncllm::experts_of<float>(x, w13, w2, ids, weights);
   return asyncllm::experts_of<asyncllm::bf16>(x, w13, w2, ids, weights);
-}
-
-// As moe_experts for fp32 x, each expert's weights in 4 bits (a GGUF's Q4_0/Q4_1 blocks, exact):
-// w13 gate|up [E, 2I, H] and w2 [E, H, I] as q4_pack's arrays stacked over the experts. Every
-// product is q4_gemv_f32's loop (the weights' exact values, fp32 sums in its order); the rest as
-// moe_experts in fp32.
-torch::Tensor moe_experts_q4(torch::Tensor x, torch::Tensor w13_codes, torch::Tensor w13_scales,
-                             torch::Tensor w13_offsets, torch::Tensor w2_codes, torch::Tensor w2_scales,
-                             torch::Tensor w2_offsets, int64_t inter, torch::Tensor ids, torch::Tensor weights) {
-  using namespace asyncllm;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.dim() == 2,
-              "moe_experts_q4: x fp32 [T, H] on the CPU");
-  check_routing(x, ids, weights);
-  const int64_t hidden = x.size(1);
-  const StackedQ4 w13(w13_codes, w13_scales, w13_offsets, 2 * inter, "w13");
-  const StackedQ4 w2(w2_codes, w2_scales, w2_offsets, hidden, "w2");
-  TORCH_CHECK(w13.k == hidden && w2.k == inter && w13_codes.size(0) == w2_codes.size(0),
-              "moe_experts_q4: w13 [E, 2I, H] and w2 [E, H, I] of one set of experts");
-  const torch::Tensor xc = x.contiguous(), idc = ids.contiguous(), wc = weights.contiguous();
-  const int64_t top_k = idc.size(1);
-  const float* wt = wc.data_ptr<float>();
-  const Routing routing(idc.data_ptr<int64_t>(), xc.size(0) * top_k, w13_codes.size(0));
-  torch::Tensor out = torch::zeros_like(xc);
-  if (routing.order.empty()) return out;
-  const int64_t pairs = static_cast<int64_t>(routing.order.size());
-  const std::vector<Block>& blocks = routing.blocks;
-  const int64_t nblocks = static_cast<int64_t>(blocks.size());
-
-  // gate|up of every pair, tile by tile, then h = silu(gate) * up and h's block sums
-  const std::vector<float> xf = gather_rows(xc.data_ptr<float>(), routing, top_k, hidden);
-  std::vector<float> sx(pairs * (hidden / 32)), gu(pairs * 2 * inter), h(pairs * inter), sh(pairs * (inter / 32));
-  q4_block_sums_f32(xf.data(), pairs, hidden, sx.data());
-  const int64_t t13 = w13.tiles();
-  at::parallel_for(0, nblocks * t13, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t job = j0; job < j1; ++job) {
-      const Block& b = blocks[job / t13];
-      w13.tile(b.expert, job % t13, xf.data() + b.first * hidden, sx.data() + b.first * (hidden / 32), b.rows,
-               gu.data() + b.first * 2 * inter, 2 * inter);
-    }
-  });
-  at::parallel_for(0, pairs, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t c = 0; c < inter; ++c) h[p * inter + c] = silu(gu[p * 2 * inter + c]) * gu[p * 2 * inter + inter + c];
-    q4_block_sums_f32(h.data() + p0 * inter, p1 - p0, inter, sh.data() + p0 * (inter / 32));
-  });
-
-  // down rows, scaled and summed per token; a job owns a tile of `out`'s columns, so experts add in order
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, w2.tiles(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> down(kMaxRows * hidden);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c0 = t * 16, c1 = std::min(hidden, c0 + 16);
-      for (const Block& b : blocks) {
-        w2.tile(b.expert, t, h.data() + b.first * inter, sh.data() + b.first * (inter / 32), b.rows, down.data(),
-                hidden);
-        for (int64_t m = 0; m < b.rows; ++m) {
-          const int64_t pair = routing.order[b.first + m];
-          float* o = op + pair / top_k * hidden;
-          for (int64_t c = c0; c < c1; ++c) o[c] += down[m * hidden + c] * wt[pair];
-        }
-      }
-    }
-  });
-  return out;
 }

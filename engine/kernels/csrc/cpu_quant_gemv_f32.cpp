@@ -51,7 +51,6 @@
 #include <vector>
 
 #include "q4_scales.h"
-#include "quant_f32.h"
 #include "vec_native.h"
 
 using namespace asyncllm;
@@ -463,13 +462,6 @@ void check_codes8(const torch::Tensor& codes, const char* op) {
 }
 
 }  // namespace
-
-void asyncllm::q4_block_sums_f32(const float* x, int64_t m_rows, int64_t k, float* sx) { block_sums(x, m_rows, k, sx); }
-
-void asyncllm::q4_tile_rows_f32(const float* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
-                                const fp16* scales, const fp16* offsets, float* y, int64_t n_out, int64_t t) {
-  q4_tile_all_rows(x, sx, m_rows, k, codes, HalfScales{{scales, offsets, k / kBlock}}, y, n_out, t, true);
-}
 
 bool quant_gemv_f32_vectorized() { return kVectorized; }
 

@@ -33,6 +33,15 @@ struct Projection {
   std::vector<Projection> pieces;
 };
 
+// A projection of quantized tensors only (as add_layer takes them; none: its pieces come by
+// set_projection_pieces), no bias: rows above q4_rows run the blocks' dequantized tiles.
+Projection make_projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows);
+// `p`'s parts in blocks of different kinds, run side by side (DecodeLayers::set_pieces).
+void set_projection_pieces(Projection& p, const std::vector<std::vector<torch::Tensor>>& pieces,
+                           const std::vector<int64_t>& piece_out, int64_t q4_rows);
+// y = x @ W.T (+ bias) through the form QuantLinear (or the dense layer) runs for x's row count.
+torch::Tensor project_rows(const torch::Tensor& x, const Projection& w);
+
 // One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the C++ path's form):
 // A as bf16 pairs [slots, in/2, ranks, 2] and the block-diagonal Bt as [slots, ranks/2, out, 2]
 // (part p's columns take rank block p only; ranks = P*R rounded up to 16, zeros in the padding),
