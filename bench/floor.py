@@ -6,11 +6,12 @@ so its time can never be below
     floor = bytes one step reads / read bandwidth of this machine (same thread count)
 
 Bytes per step: each linear in the form the bs-1 path runs (the packed 4-bit blocks and scales of
-an int4 layer; the bf16/fp32 weight of a dense or oneDNN one), the LM head, one embedding row, and
-the KV cache of the context. Bandwidth: the best of several sums over a 512 MiB buffer (a pure
-streaming read) with the bs-1 forward's thread count (one fewer than the forward thread's, as the
-engine runs small forwards). The step time: the median decode forward of one
-request (200-token prompt, 256 tokens; `SyncScheduler`, so forwards are timed one by one).
+an int4 layer; the bf16/fp32 weight of a dense or oneDNN one), a MoE layer's router and its top-k
+experts (in blocks or dense), the LM head, one embedding row, and the KV cache of the context.
+Bandwidth: the best of several sums over a 512 MiB buffer (a pure streaming read) with the bs-1
+forward's thread count (as the engine measured it for small forwards). The step time: the median
+decode forward of one request (200-token prompt, 256 tokens; `SyncScheduler`, so forwards are
+timed one by one).
 
     python -m bench.floor                    # engine defaults (bf16, threads as Engine() picks)
     python -m bench.floor --dtype float32 --prompt-len 32 --output-len 128
@@ -44,7 +45,7 @@ def read_bandwidth(threads: int, repeats: int = 7) -> float:
 
 def weight_bytes_per_step(model: torch.nn.Module, rows: int = 1) -> dict[str, int]:
     """Bytes of weights a forward of `rows` rows reads, by kind (the linears' run-time forms)."""
-    out = {"int4 linears": 0, "dense linears": 0, "lm head": 0, "embedding row": 0}
+    out = {"int4 linears": 0, "dense linears": 0, "routed experts": 0, "lm head": 0, "embedding row": 0}
     inside_quant: list[str] = []
     for name, module in model.named_modules():
         kind = type(module).__name__
@@ -57,6 +58,12 @@ def weight_bytes_per_step(model: torch.nn.Module, rows: int = 1) -> dict[str, in
         elif kind in ("DenseLinear", "OneDNNLinear", "QuantLinear"):
             size = module.out_features * module.in_features * _dtype_bytes(module)
             out["lm head" if name.endswith("lm_head") else "dense linears"] += size
+        elif kind == "FusedMoE":  # the router, and each row's top-k experts (distinct ones at most all)
+            experts = module.num_local_experts
+            quant = module.quant
+            per_expert = quant.nbytes / experts if quant is not None else (module.w13[0].nbytes + module.w2[0].nbytes)
+            routed = min(experts, rows * module.top_k)
+            out["routed experts"] += int(routed * per_expert) + module.gate.nbytes
         elif kind == "VocabEmbedding":
             out["embedding row"] += module.weight.shape[1] * module.weight.element_size() * rows
     return out

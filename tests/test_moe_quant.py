@@ -12,6 +12,8 @@ csrc/cpu_moe_quant.cpp), bf16 and fp32 models.
   and up, Q6_K down), served in fp32: every MoE layer runs its experts in blocks, decode steps and
   prefill chunks alike, and greedy tokens and prompt log-probs equal transformers' on the GGUF's
   weights through the real scheduler; in bf16 the Q4_K_M file passes the bf16 bar.
+- The fused C++ decode loop takes such a model (bf16 and fp32), bit-identical to the Python
+  layers on every forward; dense experts keep the Python layers.
 - A weight update goes back to dense experts (the new values run dense); `--torchao-config
   int4wo-*` and `int8wo` quantize a Hugging Face checkpoint's experts into the same forms; the
   quantized path off (`--q4-max-tokens 0`) keeps none.
@@ -35,6 +37,7 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4k_blocks, q5k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
 from engine.sampling import SamplingParams
+from tests.fused_checks import check_every_fused_forward
 from tests.test_gguf_families import CONFIG, per_expert, tiny_qwen3moe, write_qwen3moe_gguf
 from tests.test_gguf_kquants import kquant_bytes
 from tests.test_model_families import (
@@ -50,7 +53,7 @@ F32 = pytest.mark.skipif(not QuantExperts.available(torch.float32), reason="no f
 BF16 = pytest.mark.skipif(not QuantExperts.available(torch.bfloat16), reason="no bf16 block loops on this CPU")
 
 SHAPE = dict(CONFIG, moe_intermediate_size=64)  # K of every expert product a multiple of 64
-K_SHAPE = dict(CONFIG, hidden_size=256, moe_intermediate_size=256)  # the K-quants' 256-wide blocks
+K_SHAPE = dict(CONFIG, hidden_size=256, head_dim=64, moe_intermediate_size=256)  # the K-quants' 256-wide blocks
 K_READERS = {Q4_K: q4k_blocks, Q5_K: q5k_blocks, Q6_K: q6k_blocks}
 
 
@@ -210,7 +213,7 @@ def count_calls(runner: ModelRunner) -> tuple[list[FusedMoE], list[int]]:
 @pytest.mark.parametrize("qtype", [Q4_0, Q4_1, None])
 def test_experts_in_blocks_from_a_gguf_serve_transformers_tokens(qtype, tmp_path):
     path, ref = moe_gguf(tmp_path, qtype, **({} if qtype else K_SHAPE))
-    runner = ModelRunner(family_args(str(path)))
+    runner = ModelRunner(family_args(str(path), disable_fused_decode=True))  # the Python layers: calls counted
     moe, calls = count_calls(runner)
     assert moe and all(m.quant is not None and m.w13.numel() == 0 for m in moe)
     if qtype is None:
@@ -224,7 +227,7 @@ def test_experts_in_blocks_from_a_gguf_serve_transformers_tokens(qtype, tmp_path
 @BF16
 def test_a_bf16_q4_k_m_moe_file_passes_the_bf16_bar(tmp_path):
     path, ref = moe_gguf(tmp_path, None, **K_SHAPE)
-    runner = ModelRunner(family_args(str(path), dtype="bfloat16"))
+    runner = ModelRunner(family_args(str(path), dtype="bfloat16", disable_fused_decode=True))
     moe, calls = count_calls(runner)
     assert all(m.quant is not None for m in moe)
     assert_bf16_bar(runner, ref, "qwen3moe-q4_k_m-bf16", vocab=160, lengths=(4, 37, 12), new_tokens=12)
@@ -264,3 +267,72 @@ def test_torchao_configs_quantize_a_checkpoints_experts_into_the_same_forms(conf
     assert greedy() == blocks
     off = ModelRunner(family_args(str(tmp_path), torchao_config=config, q4_max_tokens=0))
     assert all(m.quant is None for m in off.model.modules() if isinstance(m, FusedMoE))
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("float32", marks=F32), pytest.param("bfloat16", marks=BF16)]
+)  # fmt: skip
+def test_moe_layers_with_experts_in_blocks_run_in_the_fused_loop_bit_identically(dtype, tmp_path, monkeypatch):
+    """The fused C++ decode loop takes a MoE model whose experts run in blocks: the router's ops
+    and the experts' call from C++, every forward (decodes of 1..4 rows, prefills) bit-identical to
+    the Python layers on the same input, and the same greedy tokens as with the loop off."""
+    path, _ = moe_gguf(tmp_path, None, **K_SHAPE)
+    args = dict(dtype=dtype, q4_max_tokens=2, chunked_prefill_size=None)
+    runner = ModelRunner(family_args(str(path), **args))
+    assert runner.model.fused_decode is not None
+    seen = check_every_fused_forward(monkeypatch, runner.model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (7, 19, 3, 30)]
+
+    def greedy(runner: ModelRunner) -> list[list[int]]:  # requests leave one by one: 4, 3, 2, 1 rows
+        sched = SyncScheduler(runner)
+        lengths = (10, 3, 6, 8)
+        params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+        reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+        sched.run_until_idle()
+        return [r.output_ids for r in reqs]
+
+    fused_out = greedy(runner)
+    decode_rows = {rows for mode, rows in seen if mode == "DECODE"}
+    assert {1, 4} <= decode_rows and any(mode == "EXTEND" for mode, _ in seen)  # blocks at 1-2 rows, tiles above
+
+    monkeypatch.undo()
+    plain = ModelRunner(family_args(str(path), disable_fused_decode=True, **args))
+    assert plain.model.fused_decode is None
+    assert greedy(plain) == fused_out
+
+
+@F32
+def test_dense_experts_keep_the_python_layers(tmp_path):
+    save_random_model(Qwen3MoeConfig(**SHAPE, norm_topk_prob=True), INIT, tmp_path)
+    runner = ModelRunner(family_args(str(tmp_path)))
+    assert all(m.quant is None for m in runner.model.modules() if isinstance(m, FusedMoE))
+    assert runner.model.fused_decode is None
+
+
+@BF16
+def test_the_prepacked_router_follows_a_weight_update(tmp_path):
+    """bf16: the router runs prepacked for oneDNN (the same bits as F.linear); a weight update
+    repacks it from the new values."""
+    path, _ = moe_gguf(tmp_path, Q4_0)
+    (tmp_path / "other").mkdir()
+    _, other = moe_gguf(tmp_path / "other", Q4_0, seed=1)
+    runner = ModelRunner(family_args(str(path), dtype="bfloat16"))
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    x = torch.randn(5, moe[0].in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def routed_as_f_linear() -> bool:
+        for m in moe:
+            assert m.router_packed is not None
+            packed = m.route(x)
+            m.router_packed, plain = None, m.route(x)
+            m.pack_router()
+            if not all(torch.equal(a, b) for a, b in zip(packed, plain)):
+                return False
+        return True
+
+    assert routed_as_f_linear()
+    named = [(n, t) for n, t in per_expert(other).items() if n.endswith("mlp.gate.weight")]
+    assert runner.update_weights_from_tensor(named) == len(named)
+    assert all(torch.equal(m.gate, other.get_parameter(n).bfloat16()) for m, (n, _) in zip(moe, named))
+    assert routed_as_f_linear()

@@ -21,7 +21,9 @@ norm included; `model.llama_layers`: not Granite's residual multiplier nor OLMo 
 whole q/k norm; Phi-3 once its fused tensors are split, unless its rotary is partial, which has no
 form here), a KV pool of the model's dtype, and either bf16 with the fused elementwise kernels and
 every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for
-oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms.
+oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms; a MoE
+layer's MLP when its experts run in blocks (moe_quant.py: the router's torch ops and the experts'
+one C++ call, as `FusedMoE.forward`; dense experts keep the Python layers).
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 (any token count: above the quantized forms' row bound each projection runs its blocks'
@@ -63,6 +65,7 @@ from engine.layers.linear import (
     RowTiles,
     native_blocks,
 )
+from engine.layers.moe import FusedMoE
 from engine.layers.q8 import Q8Weight
 from engine.lora.pool import LoRAPool
 from engine.lora.projections import PROJECTIONS
@@ -186,8 +189,15 @@ class FusedDecodeLayers:
         forms: list[list[_Form]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [_form(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if not isinstance(mlp.act_fn, SiluAndMul) or None in projections:
+            if isinstance(mlp, FusedMoE):  # its experts in blocks (moe_quant.py), else the Python layers
+                projections = [_form(attn.qkv_proj), _form(attn.o_proj)]
+                if mlp.quant is None or mlp.expert_start != 0:
+                    return None
+            else:
+                projections = [_form(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                if not isinstance(mlp.act_fn, SiluAndMul):
+                    return None
+            if None in projections:
                 return None
             forms.append([f for f in projections if f is not None])
         q4_bounds = {f.q4_rows for layer in forms for f in layer if f.q4_rows is not None}
@@ -199,8 +209,14 @@ class FusedDecodeLayers:
         small_rows = small.pop() if small else 0
         q4_rows = q4_bounds.pop() if q4_bounds else 0
         native = module.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.softmax_scale)
-        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, forms)):
+        hidden = cfg.hidden_size
+        for i, (layer, layer_forms) in enumerate(zip(layers, forms)):
             qk_norm = layer.self_attn.qk_norm
+            moe = layer.mlp if isinstance(layer.mlp, FusedMoE) else None
+            if moe is not None:  # no dense MLP: the experts come by set_moe
+                none = _Form([], 2 * moe.intermediate_size, None, None, False)
+                layer_forms = [*layer_forms, none, none._replace(out_features=hidden)]
+            qkv, o, gate_up, down = layer_forms
             native.add_layer(
                 layer.input_layernorm.weight,
                 qkv.parts,
@@ -220,6 +236,10 @@ class FusedDecodeLayers:
                 tile_rows,
                 small_rows,
             )
+            if moe is not None:
+                packed = moe.router_packed is not None
+                router = moe.router_packed if packed else moe.gate
+                native.set_moe(i, router, packed, moe.quant.native, moe.top_k, moe.renormalize, moe.fp32_weights)
             for j, form in enumerate((qkv, o, gate_up, down)):
                 if form.pieces:
                     tensors, widths = zip(*form.pieces)

@@ -392,14 +392,17 @@ def finalize_linear(
     return QuantLinear(packed, big, q4_max_rows) if quantized else big
 
 
-def one_row_pass(model: nn.Module, dtype: torch.dtype) -> tuple[Callable[[], None], tuple]:
+def one_row_pass(
+    model: nn.Module, dtype: torch.dtype, experts: Sequence[nn.Module] = ()
+) -> tuple[Callable[[], None], tuple]:
     """A call that runs every projection of `model` on one row of zeros, each in the form a
-    one-token step runs it as: a decode step's weight reads (engine/device/step_threads.py times
-    it to choose a small forward's threads); and a key of those forms and shapes (equal for two
-    loads of one model)."""
+    one-token step runs it as, and each MoE layer of `experts` (modules taking `[1, in_features]`
+    rows: a row of zeros routes to top-k experts whose weights it reads, as a token does): a
+    decode step's weight reads (engine/device/step_threads.py times it to choose a small forward's
+    threads); and a key of those forms and shapes (equal for two loads of one model)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     inner = {id(sub) for m in linears for sub in m.modules() if sub is not m}  # a QuantLinear's dense form
-    linears = [m for m in linears if id(m) not in inner]
+    linears = [m for m in linears if id(m) not in inner] + list(experts)
     device = next(model.parameters()).device
     inputs = {k: torch.zeros(1, k, dtype=dtype, device=device) for k in {m.in_features for m in linears}}
 

@@ -34,6 +34,7 @@ from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
 from engine.layers.linear import QuantLinear, RowTiles, one_row_pass
+from engine.layers.moe import FusedMoE
 from engine.layers.weight_quant import WeightOnlyQuant
 from engine.model_config import ModelConfig
 from engine.model_executor.cuda_graph_runner import (
@@ -149,7 +150,8 @@ class ModelRunner(RunnerWeights):
         adapt = self.device.type == "cpu" and args.torch_threads is None and self.tp.is_driver
         self.step_threads: StepThreads | None = None
         if adapt:
-            run, key = one_row_pass(self.model, self.dtype)
+            experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]  # a step reads the routed ones
+            run, key = one_row_pass(self.model, self.dtype, experts)
             gil_free = self.model.fused_decode is not None  # else the event loop waits on the GIL anyway
             every_core = measure_small_step_threads(run, torch.get_num_threads(), key, gil_free)
             self.step_threads = StepThreads(pin_extend=deterministic, every_core_tokens=every_core)

@@ -141,11 +141,10 @@ class LlamaForCausalLM(nn.Module):
         # multiplier, OLMo 2's post-norms or its whole q/k norm. The loop also needs every norm,
         # the activation and rotary in their fused forms (`fused`: not partial rotary, not OLMo 2's norms).
         # Nor a soft-capped attention; a sliding window only while no sequence passes it (`plan`).
+        # A mixture-of-experts MLP only with its experts in blocks (FusedDecodeLayers.build checks).
         self.llama_layers = (
             layer_class is LlamaDecoderLayer and cfg.qk_norm != QK_NORM_WHOLE and cfg.attn_logit_softcap is None
         )
-        if cfg.moe_layers:  # nor a mixture-of-experts MLP: the loop runs dense MLPs only
-            self.llama_layers = False
         # deterministic inference: the GEMM row count of this forward's mode (linear.py)
         self.row_tiles: RowTiles | None = None
         # set by the model runner once the KV pool exists, where the model fits (fused_decode.py)

@@ -126,6 +126,9 @@ def apply_staged(model: LlamaForCausalLM, staged: StagedWeights) -> None:
             assert isinstance(moe, FusedMoE)
             moe.drop_quantized()  # dense experts again (the blocks' values), then the new values in
             moe.expert_weight(expert, proj).copy_(value)
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.pack_router()  # its prepacked router follows `gate`
     for path, module in staged.modules.items():
         model.set_submodule(path, module)
     head = model.lm_head

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "decode_layers.h"
+#include "moe_quant.h"
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale,
@@ -98,6 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &asyncllm::DecodeLayers::num_layers)
       .def("set_pieces", &asyncllm::DecodeLayers::set_pieces,
            "a fused projection's parts in blocks of different kinds, run side by side (QuantParts)")
+      .def("set_moe", &asyncllm::DecodeLayers::set_moe,
+           "a layer's mixture-of-experts MLP: router weight, experts in blocks (engine/layers/moe_quant.py)")
       .def("set_lora", &asyncllm::DecodeLayers::set_lora, "a projection's multi-LoRA buffers (engine/lora/pool.py)")
       .def("forward", &asyncllm::DecodeLayers::forward, "every layer of a small decode batch",
            py::call_guard<py::gil_scoped_release>());

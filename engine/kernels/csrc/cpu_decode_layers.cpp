@@ -27,9 +27,11 @@
 // q/k norm of Qwen3), SiLU, bf16 with every projection 4-bit and/or prepacked for oneDNN and the
 // fused elementwise kernels, or fp32 with the torch forms (full rotary), the kernel attention
 // plans, one rank; multi-LoRA deltas after each projection where the forward has adapter rows
-// (cpu_lora.cpp, which the Python layers call too).
+// (cpu_lora.cpp, which the Python layers call too); a mixture-of-experts MLP whose experts run in
+// blocks (FusedMoE.route's torch ops, then cpu_moe_quant.cpp's experts, as the Python layer).
 
 #include "decode_layers.h"
+#include "moe_quant.h"
 
 #include <limits>
 
@@ -172,6 +174,18 @@ torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
   return torch::silu(gate_up.narrow(-1, 0, half)) * gate_up.narrow(-1, half, half);
 }
 
+// FusedMoE.forward on one rank with its experts in blocks: FusedMoE.route's ops (the router's
+// logits in the model dtype, softmax in fp32, top-k, divided by their sum when renormalizing, the
+// weights in the model dtype unless fp32_weights), then the experts (cpu_moe_quant.cpp).
+torch::Tensor moe_mlp(const torch::Tensor& x, const DecodeLayer& l) {
+  const torch::Tensor logits = l.router_packed ? dense_linear(x, l.router, torch::Tensor()) : at::linear(x, l.router);
+  const torch::Tensor probs = at::softmax(logits, -1, torch::kFloat);
+  auto [weights, ids] = at::topk(probs, l.top_k, -1);
+  if (l.renormalize) weights = weights / weights.sum(-1, true);
+  if (!l.fp32_weights) weights = weights.to(logits.scalar_type());
+  return l.experts->forward(x, ids, weights.to(torch::kFloat));
+}
+
 }  // namespace
 
 Projection make_projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows) {
@@ -229,6 +243,23 @@ void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vec
                         q4_rows);
 }
 
+void DecodeLayers::set_moe(int64_t layer, torch::Tensor router, bool router_packed,
+                           std::shared_ptr<QuantExperts> experts, int64_t top_k, bool renormalize, bool fp32_weights) {
+  TORCH_CHECK(0 <= layer && layer < num_layers() && experts != nullptr, "MoE: layer or experts");
+  TORCH_CHECK(router_packed || (router.dim() == 2 && router.size(0) == experts->num_experts()),
+              "MoE: router [E, hidden]");
+  TORCH_CHECK(0 < top_k && top_k <= experts->num_experts(), "MoE: 0 < top_k <= E");
+  DecodeLayer& l = layers_[layer];
+  TORCH_CHECK(!l.gate_up.codes.defined() && !l.gate_up.dense.defined() && l.gate_up.pieces.empty(),
+              "MoE: the layer was added without a dense MLP");
+  l.experts = std::move(experts);
+  l.router = router;
+  l.router_packed = router_packed;
+  l.top_k = top_k;
+  l.renormalize = renormalize;
+  l.fp32_weights = fp32_weights;
+}
+
 void DecodeLayers::set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt,
                             torch::Tensor scaling, std::vector<int64_t> part_sizes, int64_t rank) {
   TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < 4, "LoRA: layer or projection");
@@ -279,6 +310,10 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
       normed = f32_rms_norm(x, layer.post_norm, eps_);
     } else {
       normed = add_rms_norm_(x, attn_out, layer.post_norm, eps_);
+    }
+    if (layer.experts) {
+      x = x + moe_mlp(normed, layer);
+      continue;
     }
     const torch::Tensor gate_up = project(normed, layer.gate_up, layer.lora[2]);
     x = x + project(f32 ? torch_silu_mul(gate_up) : silu_mul(gate_up), layer.down, layer.lora[3]);

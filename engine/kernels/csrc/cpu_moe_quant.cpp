@@ -24,7 +24,7 @@
 
 #include <vector>
 
-#include "decode_layers.h"
+#include "moe_quant.h"
 
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
@@ -51,91 +51,85 @@ void add_weighted(const torch::Tensor& y, const std::vector<int64_t>& pairs, con
 
 }  // namespace
 
-class QuantExperts {
- public:
-  QuantExperts(int64_t hidden, int64_t inter, int64_t q4_rows) : hidden_(hidden), inter_(inter), q4_rows_(q4_rows) {
-    TORCH_CHECK(hidden > 0 && inter > 0 && q4_rows >= 0, "QuantExperts: sizes");
-  }
+QuantExperts::QuantExperts(int64_t hidden, int64_t inter, int64_t q4_rows)
+    : hidden_(hidden), inter_(inter), q4_rows_(q4_rows) {
+  TORCH_CHECK(hidden > 0 && inter > 0 && q4_rows >= 0, "QuantExperts: sizes");
+}
 
-  // The next expert's gate|up [2I, H] and down [H, I] weights: each one quantized form (its
-  // tensors, as DecodeLayers::add_layer takes them) or, with no tensors, pieces of different
-  // kinds side by side (set_pieces' arguments).
-  void add_expert(std::vector<torch::Tensor> w13, std::vector<std::vector<torch::Tensor>> w13_pieces,
-                  std::vector<int64_t> w13_widths, std::vector<torch::Tensor> w2,
-                  std::vector<std::vector<torch::Tensor>> w2_pieces, std::vector<int64_t> w2_widths) {
-    w13_.push_back(build(w13, w13_pieces, w13_widths, 2 * inter_));
-    w2_.push_back(build(w2, w2_pieces, w2_widths, hidden_));
-  }
+void QuantExperts::add_expert(std::vector<torch::Tensor> w13, std::vector<std::vector<torch::Tensor>> w13_pieces,
+                              std::vector<int64_t> w13_widths, std::vector<torch::Tensor> w2,
+                              std::vector<std::vector<torch::Tensor>> w2_pieces, std::vector<int64_t> w2_widths) {
+  w13_.push_back(build(w13, w13_pieces, w13_widths, 2 * inter_));
+  w2_.push_back(build(w2, w2_pieces, w2_widths, hidden_));
+}
 
-  int64_t num_experts() const { return static_cast<int64_t>(w13_.size()); }
+torch::Tensor QuantExperts::forward(torch::Tensor x, torch::Tensor ids, torch::Tensor weights) const {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == hidden_ &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat),
+              "QuantExperts: x bf16 or fp32 [T, hidden] on the CPU");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && weights.scalar_type() == torch::kFloat &&
+                  ids.sizes() == weights.sizes() && ids.dim() == 2 && ids.size(0) == x.size(0),
+              "QuantExperts: ids int64 and weights fp32, [T, K] each");
+  const torch::Tensor xc = x.contiguous(), idc = ids.contiguous(), wc = weights.contiguous();
+  const int64_t top_k = idc.size(1), experts = num_experts();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(experts);  // each expert's (token, choice) pairs, ascending
+  for (int64_t p = 0; p < idc.numel(); ++p)
+    if (id[p] >= 0 && id[p] < experts) pairs[id[p]].push_back(p);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (!pairs[e].empty()) active.push_back(e);
 
-  // out[t] = sum over token t's (expert, weight) pairs held here of weight * expert(x[t]); x [T, H]
-  // bf16 or fp32, ids [T, K] int64 relative to this set's first expert (others skipped), weights
-  // [T, K] fp32.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor ids, torch::Tensor weights) const {
-    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == hidden_ &&
-                    (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat),
-                "QuantExperts: x bf16 or fp32 [T, hidden] on the CPU");
-    TORCH_CHECK(ids.scalar_type() == torch::kLong && weights.scalar_type() == torch::kFloat &&
-                    ids.sizes() == weights.sizes() && ids.dim() == 2 && ids.size(0) == x.size(0),
-                "QuantExperts: ids int64 and weights fp32, [T, K] each");
-    const torch::Tensor xc = x.contiguous(), idc = ids.contiguous(), wc = weights.contiguous();
-    const int64_t top_k = idc.size(1), experts = num_experts();
-    const int64_t* id = idc.data_ptr<int64_t>();
-    std::vector<std::vector<int64_t>> pairs(experts);  // each expert's (token, choice) pairs, ascending
-    for (int64_t p = 0; p < idc.numel(); ++p)
-      if (id[p] >= 0 && id[p] < experts) pairs[id[p]].push_back(p);
-    std::vector<int64_t> active;
-    for (int64_t e = 0; e < experts; ++e)
-      if (!pairs[e].empty()) active.push_back(e);
-
-    const bool f32 = xc.scalar_type() == torch::kFloat;
-    std::vector<torch::Tensor> ys(experts);
-    auto run = [&](int64_t e) {
-      std::vector<int64_t> tokens(pairs[e].size());
-      for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = pairs[e][i] / top_k;
-      const torch::Tensor rows = xc.index_select(0, torch::tensor(tokens, torch::kLong));
-      const torch::Tensor gate_up = project_rows(rows, w13_[e]);
-      const torch::Tensor h = f32 ? torch::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_)
-                                  : silu_mul(gate_up);
-      ys[e] = project_rows(h.contiguous(), w2_[e]).contiguous();
-    };
-    const int64_t n = static_cast<int64_t>(active.size());
-    const bool inference = c10::InferenceMode::is_enabled();  // the outputs may be inference tensors
-    at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
-      const c10::InferenceMode same_mode(inference);  // OpenMP's workers do not inherit the caller's
-      for (int64_t i = a; i < b; ++i) run(active[i]);
-    });
-
-    torch::Tensor out = torch::zeros_like(xc);
-    const float* wt = wc.data_ptr<float>();
-    for (const int64_t e : active) {
-      if (f32)
-        add_weighted<float>(ys[e], pairs[e], wt, top_k, out);
-      else
-        add_weighted<c10::BFloat16>(ys[e], pairs[e], wt, top_k, out);
+  const bool f32 = xc.scalar_type() == torch::kFloat;
+  std::vector<torch::Tensor> ys(experts);
+  auto run = [&](int64_t e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size()), first = pairs[e][0] / top_k;
+    std::vector<int64_t> tokens(n);
+    bool consecutive = true;  // a decode row's expert, or a run of tokens: a view of x, no gather
+    for (int64_t i = 0; i < n; ++i) {
+      tokens[i] = pairs[e][i] / top_k;
+      consecutive = consecutive && tokens[i] == first + i;
     }
-    return out;
-  }
+    const torch::Tensor rows = consecutive
+                                   ? xc.narrow(0, first, n)
+                                   : xc.index_select(0, torch::from_blob(tokens.data(), {n}, torch::kLong));
+    const torch::Tensor gate_up = project_rows(rows, w13_[e]);
+    const torch::Tensor h = f32 ? torch::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_)
+                                : silu_mul(gate_up);
+    ys[e] = project_rows(h.contiguous(), w2_[e]).contiguous();
+  };
+  const int64_t n = static_cast<int64_t>(active.size());
+  const bool inference = c10::InferenceMode::is_enabled();  // the outputs may be inference tensors
+  at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
+    const c10::InferenceMode same_mode(inference);  // OpenMP's workers do not inherit the caller's
+    for (int64_t i = a; i < b; ++i) run(active[i]);
+  });
 
- private:
-  Projection build(const std::vector<torch::Tensor>& parts, const std::vector<std::vector<torch::Tensor>>& pieces,
-                   const std::vector<int64_t>& widths, int64_t out_features) const {
-    TORCH_CHECK(parts.empty() != pieces.empty(), "QuantExperts: a quantized form or its pieces, not both");
-    TORCH_CHECK(parts.empty() || parts.size() == 2 || parts.size() == 3, "QuantExperts: quantized tensors only");
-    Projection p = make_projection(parts, out_features, q4_rows_);
-    if (!pieces.empty()) set_projection_pieces(p, pieces, widths, q4_rows_);
-    return p;
+  torch::Tensor out = torch::zeros_like(xc);
+  const float* wt = wc.data_ptr<float>();
+  for (const int64_t e : active) {
+    if (f32)
+      add_weighted<float>(ys[e], pairs[e], wt, top_k, out);
+    else
+      add_weighted<c10::BFloat16>(ys[e], pairs[e], wt, top_k, out);
   }
+  return out;
+}
 
-  int64_t hidden_, inter_, q4_rows_;
-  std::vector<Projection> w13_, w2_;
-};
+Projection QuantExperts::build(const std::vector<torch::Tensor>& parts,
+                               const std::vector<std::vector<torch::Tensor>>& pieces, const std::vector<int64_t>& widths,
+                               int64_t out_features) const {
+  TORCH_CHECK(parts.empty() != pieces.empty(), "QuantExperts: a quantized form or its pieces, not both");
+  TORCH_CHECK(parts.empty() || parts.size() == 2 || parts.size() == 3, "QuantExperts: quantized tensors only");
+  Projection p = make_projection(parts, out_features, q4_rows_);
+  if (!pieces.empty()) set_projection_pieces(p, pieces, widths, q4_rows_);
+  return p;
+}
 
 }  // namespace asyncllm
 
 void bind_quant_experts(pybind11::module& m) {
-  pybind11::class_<asyncllm::QuantExperts>(m, "QuantExperts")
+  pybind11::class_<asyncllm::QuantExperts, std::shared_ptr<asyncllm::QuantExperts>>(m, "QuantExperts")
       .def(pybind11::init<int64_t, int64_t, int64_t>())
       .def("add_expert", &asyncllm::QuantExperts::add_expert)
       .def("num_experts", &asyncllm::QuantExperts::num_experts)

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -52,12 +53,20 @@ struct LoRAProjection {
   int64_t rank = 0;                 // R, the rank block of one part
 };
 
+class QuantExperts;  // moe_quant.h
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
   torch::Tensor qk_norm;  // Qwen3's [H + KVH, D] table of q and k norm weights; undefined: none
   Projection qkv, o, gate_up, down;
   torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
   LoRAProjection lora[4];            // q|k|v, o, gate|up, down
+  // A mixture-of-experts MLP in place of gate|up and down (engine/layers/moe.py FusedMoE, its
+  // experts in blocks): the router's weight [E, H] and FusedMoE.route's options; null: dense MLP.
+  std::shared_ptr<const QuantExperts> experts;
+  torch::Tensor router;  // prepacked for oneDNN when router_packed (FusedMoE.router_packed)
+  int64_t top_k = 0;
+  bool router_packed = false, renormalize = false, fp32_weights = false;
 };
 
 // A LoRAProjection over the pool's buffers, their dtypes and shapes checked.
@@ -109,6 +118,11 @@ class DecodeLayers {
   // reference: the pool writes its slots in place between forwards.
   void set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                 std::vector<int64_t> part_sizes, int64_t rank);
+  // `layer`'s MLP is a mixture of experts (added with empty gate|up and down): the router's
+  // weight (`router_packed`: oneDNN's prepacked form), the experts in blocks, FusedMoE.route's
+  // top_k, renormalize and fp32_weights.
+  void set_moe(int64_t layer, torch::Tensor router, bool router_packed, std::shared_ptr<QuantExperts> experts,
+               int64_t top_k, bool renormalize, bool fp32_weights);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
