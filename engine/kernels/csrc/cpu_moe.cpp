@@ -13,7 +13,9 @@
 // silu(gate) * up rounded to bf16, the down product rounded to bf16, times the routing weight
 // (fp32) rounded to bf16, added to the token's output in ascending expert order with one rounding
 // per add. fp32: the same steps with nothing to round. Only the summation order inside each dot
-// product differs from the GEMM libraries' (and, in fp32, exp's last bit inside SiLU).
+// product differs from the GEMM libraries' (and, in fp32, exp's last bit inside SiLU). bf16 on
+// AVX512-BF16 multiplies bf16 rows by the bf16 weights with its dot-product instruction (exact
+// products, fp32 sums; subnormal inputs count as zero, as in oneDNN's bf16 kernels).
 //
 // Experts kept in a GGUF's blocks run in cpu_moe_quant.cpp instead.
 
@@ -24,6 +26,10 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "vec_native.h"
 
@@ -63,8 +69,33 @@ inline void dot_rows(const float* rows, int64_t k, const T* w, float* dots) {
   }
 }
 
-template <typename T>
-void dot_block(const float* rows, int m, int64_t k, const T* w, float* dots) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// bf16 rows against bf16 weights with AVX512-BF16's dot product: 32 weights an instruction with no
+// widening, where the fp32 loop widened each weight and spent an FMA per 16 (past ~2 rows an
+// expert the loop was compute-bound: docs/PERFORMANCE.md). Exact products, fp32 sums.
+constexpr bool kBf16Rows = true;
+
+template <int M>
+inline void dot_rows(const bf16* rows, int64_t k, const bf16* w, float* dots) {
+  const int64_t kv = k - k % 32;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kv; i += 32) {
+    const __m512bh wi = (__m512bh)_mm512_loadu_si512(w + i);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(rows + m * k + i), wi);
+  }
+  for (int m = 0; m < M; ++m) {
+    float sum = _mm512_reduce_add_ps(acc[m]);
+    for (int64_t i = kv; i < k; ++i) sum += static_cast<float>(rows[m * k + i]) * static_cast<float>(w[i]);
+    dots[m] = sum;
+  }
+}
+#else
+constexpr bool kBf16Rows = false;
+#endif
+
+template <typename R, typename T>
+void dot_block(const R* rows, int m, int64_t k, const T* w, float* dots) {
   switch (m) {
 #define DOT_CASE(M) \
   case M: return dot_rows<M>(rows, k, w, dots);
@@ -72,6 +103,10 @@ void dot_block(const float* rows, int m, int64_t k, const T* w, float* dots) {
 #undef DOT_CASE
   }
 }
+
+// The rows' type: bf16 where its dot-product loop is built, else fp32 (exact either way)
+template <typename T>
+using RowsOf = std::conditional_t<std::is_same_v<T, bf16> && kBf16Rows, bf16, float>;
 
 // A value as the torch path holds it: bf16 rounds, fp32 keeps
 template <typename T>
@@ -111,14 +146,14 @@ void check_routing(const torch::Tensor& x, const torch::Tensor& ids, const torch
               "moe_experts: ids int64 and weights fp32, [T, K] each");
 }
 
-// x's rows of every pair, in the routing's order, as fp32 (a block's rows are contiguous)
-template <typename T>
-std::vector<float> gather_rows(const T* xp, const Routing& r, int64_t top_k, int64_t hidden) {
+// x's rows of every pair, in the routing's order, as R (a block's rows are contiguous)
+template <typename R, typename T>
+std::vector<R> gather_rows(const T* xp, const Routing& r, int64_t top_k, int64_t hidden) {
   const int64_t pairs = static_cast<int64_t>(r.order.size());
-  std::vector<float> xf(pairs * hidden);
+  std::vector<R> xf(pairs * hidden);
   at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < hidden; ++i) xf[p * hidden + i] = static_cast<float>(xp[r.order[p] / top_k * hidden + i]);
+      for (int64_t i = 0; i < hidden; ++i) xf[p * hidden + i] = static_cast<R>(xp[r.order[p] / top_k * hidden + i]);
   });
   return xf;
 }
@@ -141,8 +176,9 @@ torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const
   if (order.empty()) return out;
   const int64_t pairs = static_cast<int64_t>(order.size());
 
-  const std::vector<float> xf = gather_rows(xc.data_ptr<T>(), routing, top_k, hidden);
-  std::vector<float> h(pairs * inter);
+  using R = RowsOf<T>;
+  const std::vector<R> xf = gather_rows<R>(xc.data_ptr<T>(), routing, top_k, hidden);
+  std::vector<R> h(pairs * inter);
   const T* w13p = w13c.data_ptr<T>();
   const int64_t inter_tiles = (inter + kColTile - 1) / kColTile;
   const int64_t nblocks = static_cast<int64_t>(blocks.size());
@@ -151,14 +187,14 @@ torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const
     for (int64_t job = j0; job < j1; ++job) {
       const Block& b = blocks[job / inter_tiles];
       const int64_t c0 = job % inter_tiles * kColTile, c1 = std::min(inter, c0 + kColTile);
-      const float* rows = xf.data() + b.first * hidden;
+      const R* rows = xf.data() + b.first * hidden;
       const T* we = w13p + b.expert * 2 * inter * hidden;
       for (int64_t c = c0; c < c1; ++c) {
         dot_block(rows, static_cast<int>(b.rows), hidden, we + c * hidden, gate);
         dot_block(rows, static_cast<int>(b.rows), hidden, we + (inter + c) * hidden, up);
         for (int64_t m = 0; m < b.rows; ++m) {
           const float g = held<T>(gate[m]), u = held<T>(up[m]);
-          h[(b.first + m) * inter + c] = held<T>(silu(g) * u);
+          h[(b.first + m) * inter + c] = static_cast<R>(held<T>(silu(g) * u));
         }
       }
     }
@@ -173,7 +209,7 @@ torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const
     for (int64_t job = j0; job < j1; ++job) {
       const int64_t c0 = job * kColTile, c1 = std::min(hidden, c0 + kColTile);
       for (const Block& b : blocks) {
-        const float* rows = h.data() + b.first * inter;
+        const R* rows = h.data() + b.first * inter;
         const T* we = w2p + b.expert * hidden * inter;
         for (int64_t c = c0; c < c1; ++c) {
           dot_block(rows, static_cast<int>(b.rows), inter, we + c * inter, down);
