@@ -57,10 +57,17 @@ def free_port() -> int:
 class LaunchedServer:
     """`python -m server` on a free loopback port (also the server tests' `ServerProcess`)."""
 
-    def __init__(self, model_path: str, extra_args: list[str], log_path: Path | None = None) -> None:
+    def __init__(
+        self, model_path: str, extra_args: list[str], log_path: Path | None = None, log_dir: Path | None = None
+    ) -> None:
+        """The server's output goes to `log_path`, else `server-<port>.log` in `log_dir`, else in a
+        new temporary folder."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="soak-")) / f"server-{self.port}.log"
+        if log_path is None:
+            folder = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="soak-"))
+            log_path = folder / f"server-{self.port}.log"
+        self.log_path = log_path
         self.cmd = [sys.executable, "-m", "server", "--model-path", model_path, "--host", "127.0.0.1"]
         self.cmd += ["--port", str(self.port), *extra_args]
         self.proc: subprocess.Popen | None = None
@@ -126,12 +133,14 @@ class LaunchedServer:
         return self.proc.returncode
 
 
-def write_adapters(model_path: str, names: list[str]) -> list[str]:
-    """Random rank-8 PEFT adapters of the model, one per name, in a temporary folder; `--lora-paths` values."""
+def write_adapters(model_path: str, names: list[str], root: Path | None = None) -> list[str]:
+    """Random rank-8 PEFT adapters of the model, one per name, in `root` (default: a new temporary
+    folder); `--lora-paths` values."""
     from bench.lora_adapters import write_adapter
     from engine import resolve_model
 
-    hf_config, root = resolve_model(model_path).hf_config, Path(tempfile.mkdtemp(prefix="soak-lora-"))
+    hf_config = resolve_model(model_path).hf_config
+    root = root if root is not None else Path(tempfile.mkdtemp(prefix="soak-lora-"))
     for seed, name in enumerate(names):
         write_adapter(root / name, hf_config, rank=8, seed=seed)
     return [f"{name}={root / name}" for name in names]

@@ -49,8 +49,7 @@ class ServerProcess(LaunchedServer):
     /health answers 200 (`LaunchedServer` from bench.soak_server, with the tests' environment)."""
 
     def __init__(self, model: str, *args: str, log_dir: Path, dtype: str = "float32") -> None:
-        super().__init__(model, ["--dtype", dtype, "--torch-threads", "1", "--device", "cpu", *args])
-        self.log_path = log_dir / f"server-{self.port}.log"
+        super().__init__(model, ["--dtype", dtype, "--torch-threads", "1", "--device", "cpu", *args], log_dir=log_dir)
         self.env = server_env()
 
 

@@ -115,7 +115,8 @@ async def test_short_soak_with_adapters_passes(tmp_path, tiny_model_dir):
     """Requests spread over three LoRA adapters and the base model, at most two adapters per
     forward (so the pool's slots are swapped all along); the greedy re-runs use the same adapter."""
     names = ["s0", "s1", "s2"]
-    lora = ["--enable-lora", "--max-loras-per-batch", "2", "--lora-paths", *write_adapters(tiny_model_dir, names)]
+    adapters = write_adapters(tiny_model_dir, names, tmp_path)
+    lora = ["--enable-lora", "--max-loras-per-batch", "2", "--lora-paths", *adapters]
     srv = ServerProcess(tiny_model_dir, *TINY_ARGS, *lora, log_dir=tmp_path).start()
     try:
         cfg = SoakConfig(
