@@ -82,8 +82,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family, experts):
     """Both CPU forms of the experts: the one-call C++ kernel (every forward here is small enough
     for it) and the grouped torch path (the kernel taken away)."""
     name, folder, hf = family
-    runner = ModelRunner(family_args(folder))
-    assert runner.model.fused_decode is None  # dense experts: the C++ loop takes only experts in blocks
+    # the Python layers' two forms (the fused loop calls the kernel itself: tests/test_moe_quant.py)
+    runner = ModelRunner(family_args(folder, disable_fused_decode=True))
     moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     calls = {"kernel": 0}
     kernel = moe[0].kernel
@@ -289,7 +289,9 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
     bf16, a batch of prompts decoded together (expert groups of several tokens); every greedy
     token is transformers' top choice on our own sequence, or within bf16's resolution of it."""
     hf = save_random_model(BF16_FAMILIES[name](), BF16_INIT, tmp_path)  # fp32 reference, same weights
-    runner = ModelRunner(family_args(str(tmp_path), dtype="bfloat16", chunked_prefill_size=None))
+    # the Python layers, whose kernel calls are counted (the fused loop runs the same bits: test_moe_quant.py)
+    args = family_args(str(tmp_path), dtype="bfloat16", chunked_prefill_size=None, disable_fused_decode=True)
+    runner = ModelRunner(args)
     moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(moe) == BF16_SHAPE["num_hidden_layers"] and all(m.w13.dtype == torch.bfloat16 for m in moe)
     g = torch.Generator().manual_seed(2)

@@ -13,7 +13,7 @@ csrc/cpu_moe_quant.cpp), bf16 and fp32 models.
   prefill chunks alike, and greedy tokens and prompt log-probs equal transformers' on the GGUF's
   weights through the real scheduler; in bf16 the Q4_K_M file passes the bf16 bar.
 - The fused C++ decode loop takes such a model (bf16 and fp32), bit-identical to the Python
-  layers on every forward; dense experts keep the Python layers.
+  layers on every forward; dense experts too, within their one-call kernel's bound.
 - A weight update goes back to dense experts (the new values run dense); `--torchao-config
   int4wo-*` and `int8wo` quantize a Hugging Face checkpoint's experts into the same forms; the
   quantized path off (`--q4-max-tokens 0`) keeps none.
@@ -302,12 +302,35 @@ def test_moe_layers_with_experts_in_blocks_run_in_the_fused_loop_bit_identically
     assert greedy(plain) == fused_out
 
 
-@F32
-def test_dense_experts_keep_the_python_layers(tmp_path):
-    save_random_model(Qwen3MoeConfig(**SHAPE, norm_topk_prob=True), INIT, tmp_path)
-    runner = ModelRunner(family_args(str(tmp_path)))
-    assert all(m.quant is None for m in runner.model.modules() if isinstance(m, FusedMoE))
-    assert runner.model.fused_decode is None
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("float32", marks=F32), pytest.param("bfloat16", marks=BF16)]
+)  # fmt: skip
+def test_dense_experts_run_in_the_fused_loop_within_the_kernels_bound(dtype, tmp_path, monkeypatch):
+    """A Hugging Face checkpoint's dense experts: the loop calls their one-call kernel (cpu_moe.cpp)
+    for forwards of at most `kernel_max_pairs // top_k` tokens, as FusedMoE.forward does, bit-identical
+    to the Python layers; a longer prefill keeps the Python layers (their grouped path)."""
+    save_random_model(Qwen3MoeConfig(**dict(SHAPE, head_dim=64, hidden_size=128), norm_topk_prob=True), INIT, tmp_path)
+    args = dict(dtype=dtype, chunked_prefill_size=None)
+    runner = ModelRunner(family_args(str(tmp_path), **args))
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moe and all(m.quant is None and m.kernel is not None for m in moe)
+    fused = runner.model.fused_decode
+    assert fused is not None and fused.max_tokens == moe[0].kernel_max_pairs // moe[0].top_k
+    seen = check_every_fused_forward(monkeypatch, runner.model)
+    long = fused.max_tokens + 9
+    prompts = [[(7 * j + 3 * i) % 160 for j in range(n)] for i, n in enumerate((5, long, 12))]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (6, 3, 9)]
+
+    def greedy(r: ModelRunner) -> list[list[int]]:
+        sched = SyncScheduler(r)
+        reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+        sched.run_until_idle()
+        return [q.output_ids for q in reqs]
+
+    out = greedy(runner)
+    assert {"DECODE"} <= {mode for mode, _ in seen} and max(rows for _, rows in seen) <= fused.max_tokens
+    monkeypatch.undo()
+    assert greedy(ModelRunner(family_args(str(tmp_path), disable_fused_decode=True, **args))) == out
 
 
 @BF16

@@ -22,8 +22,9 @@ whole q/k norm; Phi-3 once its fused tensors are split, unless its rotary is par
 form here), a KV pool of the model's dtype, and either bf16 with the fused elementwise kernels and
 every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for
 oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms; a MoE
-layer's MLP when its experts run in blocks (moe_quant.py: the router's torch ops and the experts'
-one C++ call, as `FusedMoE.forward`; dense experts keep the Python layers).
+layer's MLP (the router's torch ops, then, as `FusedMoE.forward`, its experts in blocks,
+moe_quant.py, or its dense experts' one-call kernel, cpu_moe.cpp, in forwards within the kernel's
+pairs bound: larger ones keep the Python layers).
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
 step, a speculative verify, a prefill; cascade plans for shared prefixes keep the Python layers)
 (any token count: above the quantized forms' row bound each projection runs its blocks'
@@ -164,8 +165,9 @@ def _elementwise_forms(model: Any, dtype: torch.dtype) -> bool:
 class FusedDecodeLayers:
     """The C++ layer loop of one model over its KV pool; see the module docstring."""
 
-    def __init__(self, native: Any, lora: bool = False, tiled: bool = False) -> None:
+    def __init__(self, native: Any, lora: bool = False, tiled: bool = False, max_tokens: int = EVERY_ROW) -> None:
         self.native = native  # every projection has a dense form or its blocks' tiles: any row count runs
+        self.max_tokens = max_tokens  # a MoE model's dense experts: larger forwards keep the Python layers
         self.lora = lora  # it adds the LoRA pool's deltas: forwards with adapter rows may take it
         # deterministic inference: its projections run decode's row tiles, so it takes decode-like
         # forwards only (an extend's tiles are another size: its rows would differ by path)
@@ -187,12 +189,15 @@ class FusedDecodeLayers:
             return None
         layers = model.layers
         forms: list[list[_Form]] = []
+        max_tokens = EVERY_ROW  # the forwards the loop may take (dense experts bound them)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if isinstance(mlp, FusedMoE):  # its experts in blocks (moe_quant.py), else the Python layers
+            if isinstance(mlp, FusedMoE):  # experts in blocks (moe_quant.py) or the dense one-call kernel
                 projections = [_form(attn.qkv_proj), _form(attn.o_proj)]
-                if mlp.quant is None or mlp.expert_start != 0:
+                if (mlp.quant is None and mlp.kernel is None) or mlp.expert_start != 0:
                     return None
+                if mlp.quant is None:  # FusedMoE.forward takes the kernel up to its pairs' bound only
+                    max_tokens = min(max_tokens, mlp.kernel_max_pairs // mlp.top_k)
             else:
                 projections = [_form(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
                 if not isinstance(mlp.act_fn, SiluAndMul):
@@ -239,19 +244,23 @@ class FusedDecodeLayers:
             if moe is not None:
                 packed = moe.router_packed is not None
                 router = moe.router_packed if packed else moe.gate
-                native.set_moe(i, router, packed, moe.quant.native, moe.top_k, moe.renormalize, moe.fp32_weights)
+                experts = moe.quant.native if moe.quant is not None else None
+                stacks = (None, None) if experts is not None else (moe.w13, moe.w2)
+                native.set_moe(i, router, packed, experts, *stacks, moe.top_k, moe.renormalize, moe.fp32_weights)
             for j, form in enumerate((qkv, o, gate_up, down)):
                 if form.pieces:
                     tensors, widths = zip(*form.pieces)
                     native.set_pieces(i, j, list(tensors), list(widths), form.q4_rows)
         # without the pool's buffers in a form it runs, forwards with adapter rows keep the layers
         with_lora = lora is not None and _add_lora(native, lora)
-        return cls(native, with_lora, tile_rows > 0)
+        return cls(native, with_lora, tile_rows > 0, max_tokens)
 
     def plan(self, fb: ForwardBatch) -> KernelDecodePlan | KernelExtendPlan | None:
         """This forward's kernel attention plan when the fused loop takes the forward (the plain
         kernel decode or extend plan), else None."""
         if self.tiled and fb.forward_mode.is_extend() and not fb.forward_mode.is_verify():
+            return None
+        if fb.input_ids.shape[0] > self.max_tokens:
             return None
         backend = fb.attn_backend
         if isinstance(backend, WindowedAttnBackend):  # a sliding window past which a sequence ran

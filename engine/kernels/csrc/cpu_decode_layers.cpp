@@ -28,7 +28,8 @@
 // fused elementwise kernels, or fp32 with the torch forms (full rotary), the kernel attention
 // plans, one rank; multi-LoRA deltas after each projection where the forward has adapter rows
 // (cpu_lora.cpp, which the Python layers call too); a mixture-of-experts MLP whose experts run in
-// blocks (FusedMoE.route's torch ops, then cpu_moe_quant.cpp's experts, as the Python layer).
+// blocks (FusedMoE.route's torch ops, then cpu_moe_quant.cpp's experts, as the Python layer) or
+// dense through cpu_moe.cpp's one-call kernel (forwards within its bound only).
 
 #include "decode_layers.h"
 #include "moe_quant.h"
@@ -55,6 +56,8 @@ torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t n_out);
 torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           std::optional<torch::Tensor> supers);
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
+                          torch::Tensor weights);
 
 namespace asyncllm {
 
@@ -174,7 +177,8 @@ torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
   return torch::silu(gate_up.narrow(-1, 0, half)) * gate_up.narrow(-1, half, half);
 }
 
-// FusedMoE.forward on one rank with its experts in blocks: FusedMoE.route's ops (the router's
+// FusedMoE.forward on one rank with its experts in blocks or (forwards within the kernel's bound,
+// which the Python side checks) its dense experts' one-call kernel: FusedMoE.route's ops (the router's
 // logits in the model dtype, softmax in fp32, top-k, divided by their sum when renormalizing, the
 // weights in the model dtype unless fp32_weights), then the experts (cpu_moe_quant.cpp).
 torch::Tensor moe_mlp(const torch::Tensor& x, const DecodeLayer& l) {
@@ -183,7 +187,8 @@ torch::Tensor moe_mlp(const torch::Tensor& x, const DecodeLayer& l) {
   auto [weights, ids] = at::topk(probs, l.top_k, -1);
   if (l.renormalize) weights = weights / weights.sum(-1, true);
   if (!l.fp32_weights) weights = weights.to(logits.scalar_type());
-  return l.experts->forward(x, ids, weights.to(torch::kFloat));
+  if (l.experts) return l.experts->forward(x, ids, weights.to(torch::kFloat));
+  return moe_experts(x, l.experts_w13, l.experts_w2, ids, weights.to(torch::kFloat));
 }
 
 }  // namespace
@@ -244,15 +249,22 @@ void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vec
 }
 
 void DecodeLayers::set_moe(int64_t layer, torch::Tensor router, bool router_packed,
-                           std::shared_ptr<QuantExperts> experts, int64_t top_k, bool renormalize, bool fp32_weights) {
-  TORCH_CHECK(0 <= layer && layer < num_layers() && experts != nullptr, "MoE: layer or experts");
-  TORCH_CHECK(router_packed || (router.dim() == 2 && router.size(0) == experts->num_experts()),
-              "MoE: router [E, hidden]");
-  TORCH_CHECK(0 < top_k && top_k <= experts->num_experts(), "MoE: 0 < top_k <= E");
+                           std::shared_ptr<QuantExperts> experts, std::optional<torch::Tensor> w13,
+                           std::optional<torch::Tensor> w2, int64_t top_k, bool renormalize, bool fp32_weights) {
+  TORCH_CHECK(0 <= layer && layer < num_layers(), "MoE: layer");
+  TORCH_CHECK((experts != nullptr) != (w13.has_value() && w2.has_value()), "MoE: experts in blocks or dense stacks");
+  const int64_t count = experts ? experts->num_experts() : w13->size(0);
+  TORCH_CHECK(experts || (w13->dim() == 3 && w2->dim() == 3 && w2->size(0) == count), "MoE: w13 [E, 2I, H], w2 [E, H, I]");
+  TORCH_CHECK(router_packed || (router.dim() == 2 && router.size(0) == count), "MoE: router [E, hidden]");
+  TORCH_CHECK(0 < top_k && top_k <= count, "MoE: 0 < top_k <= E");
   DecodeLayer& l = layers_[layer];
   TORCH_CHECK(!l.gate_up.codes.defined() && !l.gate_up.dense.defined() && l.gate_up.pieces.empty(),
               "MoE: the layer was added without a dense MLP");
   l.experts = std::move(experts);
+  if (w13.has_value()) {
+    l.experts_w13 = *w13;
+    l.experts_w2 = *w2;
+  }
   l.router = router;
   l.router_packed = router_packed;
   l.top_k = top_k;
@@ -311,7 +323,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     } else {
       normed = add_rms_norm_(x, attn_out, layer.post_norm, eps_);
     }
-    if (layer.experts) {
+    if (layer.experts || layer.experts_w13.defined()) {
       x = x + moe_mlp(normed, layer);
       continue;
     }

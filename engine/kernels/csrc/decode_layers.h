@@ -61,9 +61,12 @@ struct DecodeLayer {
   Projection qkv, o, gate_up, down;
   torch::Tensor k_buffer, v_buffer;  // this layer's KV pool [S, KVH, D]
   LoRAProjection lora[4];            // q|k|v, o, gate|up, down
-  // A mixture-of-experts MLP in place of gate|up and down (engine/layers/moe.py FusedMoE, its
-  // experts in blocks): the router's weight [E, H] and FusedMoE.route's options; null: dense MLP.
+  // A mixture-of-experts MLP in place of gate|up and down (engine/layers/moe.py FusedMoE): the
+  // router's weight [E, H] and FusedMoE.route's options; its experts in blocks (`experts`), or
+  // dense bf16/fp32 stacks w13 [E, 2I, H] and w2 [E, H, I] for cpu_moe.cpp's one-call kernel;
+  // neither: a dense MLP.
   std::shared_ptr<const QuantExperts> experts;
+  torch::Tensor experts_w13, experts_w2;
   torch::Tensor router;  // prepacked for oneDNN when router_packed (FusedMoE.router_packed)
   int64_t top_k = 0;
   bool router_packed = false, renormalize = false, fp32_weights = false;
@@ -119,10 +122,11 @@ class DecodeLayers {
   void set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                 std::vector<int64_t> part_sizes, int64_t rank);
   // `layer`'s MLP is a mixture of experts (added with empty gate|up and down): the router's
-  // weight (`router_packed`: oneDNN's prepacked form), the experts in blocks, FusedMoE.route's
-  // top_k, renormalize and fp32_weights.
+  // weight (`router_packed`: oneDNN's prepacked form), the experts in blocks or (None) the dense
+  // stacks w13 and w2, FusedMoE.route's top_k, renormalize and fp32_weights.
   void set_moe(int64_t layer, torch::Tensor router, bool router_packed, std::shared_ptr<QuantExperts> experts,
-               int64_t top_k, bool renormalize, bool fp32_weights);
+               std::optional<torch::Tensor> w13, std::optional<torch::Tensor> w2, int64_t top_k, bool renormalize,
+               bool fp32_weights);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
