@@ -39,13 +39,16 @@ class QuantExperts:
         self._forms: dict[int, tuple[QuantWeight, QuantWeight]] = {}  # (gate|up, down) by expert
         self.native = None  # the C++ experts (cpu_moe_quant.cpp), once `finish` built them
         self.forms: list[tuple[QuantWeight, QuantWeight]] = []  # (gate|up, down) of each expert, once built
-        self.nbytes = 0
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
         """Whether this CPU runs block forms for `dtype` activations with our vector loops."""
-        module = cpu_extension.load()
-        return module is not None and dtype in (torch.bfloat16, torch.float32) and cpu_quant.vectorized(dtype)
+        return dtype in (torch.bfloat16, torch.float32) and cpu_quant.vectorized(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every expert's blocks (once built)."""
+        return sum(form.nbytes for forms in self.forms for form in forms)
 
     def add(self, expert: int, proj: str, blocks: Q4Blocks | Q8Blocks) -> bool:
         """Keep a loaded projection's blocks; False once an expert's blocks have no kernel form
@@ -85,7 +88,6 @@ class QuantExperts:
             for form in forms:
                 tensors, pieces = native_blocks(form)
                 args += [tensors, [p for p, _ in pieces], [w for _, w in pieces]]
-                self.nbytes += form.nbytes
             native.add_expert(*args)
         self.native = native
         return True
