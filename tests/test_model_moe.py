@@ -132,22 +132,24 @@ def test_grouped_experts_equal_a_per_token_loop(renormalize, fp32_weights):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp32_weights", [False, True])
-def test_cpu_kernel_matches_the_grouped_path(fp32_weights, dtype):
+@pytest.mark.parametrize("hidden, inter, tokens", [(67, 32, 11), (200, 48, 40)])
+def test_cpu_kernel_matches_the_grouped_path(hidden, inter, tokens, fp32_weights, dtype):
     """bf16 and fp32 on a CPU: the one-call C++ experts (cpu_moe.cpp) are as close to an fp32
     reference as the grouped torch path; an expert set's ids (expert parallelism) skip the others'
-    pairs. 67 columns: the dot products' vector tails run too."""
-    moe = FusedMoE(67, 8, 3, 32, "silu", True, fp32_weights, TPGroup.single(), torch.device("cpu"), dtype)
+    pairs. 67 and 200 columns: the dot products' unrolled parts, whole vectors and masked tails
+    run; 48 and 200 outputs end in a part tile; 40 tokens give experts blocks of 1 to 8 rows."""
+    moe = FusedMoE(hidden, 8, 3, inter, "silu", True, fp32_weights, TPGroup.single(), torch.device("cpu"), dtype)
     if moe.kernel is None:
         pytest.skip("the CPU kernels did not build here")
     torch.manual_seed(4)
     for p in moe.parameters():
         p.data.normal_(0, 0.3)
-    x = torch.randn(11, 67).to(dtype)
+    x = torch.randn(tokens, hidden).to(dtype)
     weights, ids = moe.route(x)
     got = moe.kernel.moe_experts(x, moe.w13, moe.w2, ids, weights.float()).float()
     grouped = moe.experts(x, weights, ids).float()
-    ref = torch.zeros(11, 67, dtype=torch.float64)
-    for t in range(11):
+    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
         for w, e in zip(weights[t].float(), ids[t].tolist()):
             gate, up = (moe.w13[e].float() @ x[t].float()).chunk(2)
             ref[t] += w * (moe.w2[e].float() @ (torch.nn.functional.silu(gate) * up))

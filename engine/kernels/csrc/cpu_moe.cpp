@@ -6,8 +6,10 @@
 // active expert and layer (docs/PERFORMANCE.md: 64 experts ran at 0.39x the 8-expert model's
 // speed at equal active parameters). Here every active expert's gate|up rows, activation, down
 // rows and weighted sum run as plain vector loops over the expert's tokens in blocks of up to 8
-// (each weight row loaded once per block), the work spread over the threads by output columns,
-// so a step costs the routed experts' weight reads and little else.
+// (each weight row loaded once per block), the work spread over the threads as (block, tile of
+// 16 weight rows) jobs in expert order, so each thread reads its experts' weights front to back
+// (what keeps the hardware prefetchers streaming) and a step costs the routed experts' weight
+// reads and little else.
 //
 // Roundings follow the torch path (FusedMoE.experts). bf16: gate and up rounded to bf16,
 // silu(gate) * up rounded to bf16, the down product rounded to bf16, times the routing weight
@@ -69,31 +71,6 @@ inline void dot_rows(const float* rows, int64_t k, const T* w, float* dots) {
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// bf16 rows against bf16 weights with AVX512-BF16's dot product: 32 weights an instruction with no
-// widening, where the fp32 loop widened each weight and spent an FMA per 16 (past ~2 rows an
-// expert the loop was compute-bound: docs/PERFORMANCE.md). Exact products, fp32 sums.
-constexpr bool kBf16Rows = true;
-
-template <int M>
-inline void dot_rows(const bf16* rows, int64_t k, const bf16* w, float* dots) {
-  const int64_t kv = k - k % 32;
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < kv; i += 32) {
-    const __m512bh wi = (__m512bh)_mm512_loadu_si512(w + i);
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(rows + m * k + i), wi);
-  }
-  for (int m = 0; m < M; ++m) {
-    float sum = _mm512_reduce_add_ps(acc[m]);
-    for (int64_t i = kv; i < k; ++i) sum += static_cast<float>(rows[m * k + i]) * static_cast<float>(w[i]);
-    dots[m] = sum;
-  }
-}
-#else
-constexpr bool kBf16Rows = false;
-#endif
-
 template <typename R, typename T>
 void dot_block(const R* rows, int m, int64_t k, const T* w, float* dots) {
   switch (m) {
@@ -103,6 +80,112 @@ void dot_block(const R* rows, int m, int64_t k, const T* w, float* dots) {
 #undef DOT_CASE
   }
 }
+
+// A block's m rows against n <= kColTile weight rows a[j] = wa + j * k, and as many b[j] = wb + j *
+// k where wb is given: da[r * kColTile + j] = rows[r] . a[j], db likewise. a[j] and b[j] are read
+// one after the other, so the two regions stream front to back side by side.
+template <typename R, typename T>
+void block_dots(const R* rows, int m, int64_t k, const T* wa, const T* wb, int64_t n, float* da, float* db) {
+  float col[kMaxRows];
+  for (int64_t j = 0; j < n; ++j) {
+    dot_block(rows, m, k, wa + j * k, col);
+    for (int r = 0; r < m; ++r) da[r * kColTile + j] = col[r];
+    if (!wb) continue;
+    dot_block(rows, m, k, wb + j * k, col);
+    for (int r = 0; r < m; ++r) db[r * kColTile + j] = col[r];
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// bf16 rows against bf16 weights with AVX512-BF16's dot product: 32 weights an instruction with no
+// widening, where the fp32 loop widened each weight and spent an FMA per 16. Exact products, fp32
+// sums.
+constexpr bool kBf16Rows = true;
+
+// lane j = the sum of v[j]'s 16 lanes: four rounds, each adding two vectors' halves side by side
+inline __m512 sum_each(const __m512* v) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[2i] in chunks 0-1, v[2i+1] in chunks 2-3
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: chunk c holds v[4i + c]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // within chunk c: lanes 0-1 v[8i + c], lanes 2-3 v[8i + 4 + c]
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // lane 4c + j holds v[4j + c]
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// The M rows against S weight rows (w[0], w[1]) read side by side, front to back: out[s][r * 16] =
+// the lanes of rows[r] . w[s], not yet added up. U partial sums a pair keep ~8 product chains in
+// flight (one chain a row waited on the instruction's latency at 1-3 rows an expert).
+template <int M, int S>
+inline void lane_dots(const bf16* rows, int64_t k, const bf16* const* w, __m512* const* out) {
+  constexpr int U = std::min(4, std::max(1, 8 / (M * S)));
+  const int64_t ku = k - k % (32 * U);
+  __m512 acc[S][M][U];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < U; ++u) acc[s][r][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ku; i += 32 * U)
+    for (int u = 0; u < U; ++u) {
+      __m512bh x[M];
+      for (int r = 0; r < M; ++r) x[r] = (__m512bh)_mm512_loadu_si512(rows + r * k + i + 32 * u);
+      for (int s = 0; s < S; ++s) {
+        const __m512bh ws = (__m512bh)_mm512_loadu_si512(w[s] + i + 32 * u);
+        for (int r = 0; r < M; ++r) acc[s][r][u] = _mm512_dpbf16_ps(acc[s][r][u], x[r], ws);
+      }
+    }
+  for (int64_t i = ku; i < k; i += 32) {  // whole vectors past the unrolled part, then the tail masked
+    const __mmask32 part = i + 32 <= k ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (k - i)) - 1);
+    __m512bh x[M];
+    for (int r = 0; r < M; ++r) x[r] = (__m512bh)_mm512_maskz_loadu_epi16(part, rows + r * k + i);
+    for (int s = 0; s < S; ++s) {
+      const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(part, w[s] + i);
+      for (int r = 0; r < M; ++r) acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], x[r], ws);
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < M; ++r) {
+      __m512 sum = acc[s][r][0];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[s][r][u]);
+      out[s][r * 16] = sum;
+    }
+}
+
+template <int M>
+void block_dots_of(const bf16* rows, int64_t k, const bf16* wa, const bf16* wb, int64_t n, float* da, float* db) {
+  __m512 va[M * 16], vb[M * 16];  // (row r, weight row j) at r * 16 + j
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* w[2] = {wa + j * k, wb ? wb + j * k : nullptr};
+    __m512* out[2] = {va + j, vb + j};
+    if (wb)
+      lane_dots<M, 2>(rows, k, w, out);
+    else
+      lane_dots<M, 1>(rows, k, w, out);
+  }
+  for (int r = 0; r < M; ++r) {
+    for (int64_t j = n; j < 16; ++j) va[r * 16 + j] = vb[r * 16 + j] = _mm512_setzero_ps();
+    _mm512_storeu_ps(da + r * kColTile, sum_each(va + r * 16));
+    if (wb) _mm512_storeu_ps(db + r * kColTile, sum_each(vb + r * 16));
+  }
+}
+
+template <>
+void block_dots(const bf16* rows, int m, int64_t k, const bf16* wa, const bf16* wb, int64_t n, float* da, float* db) {
+  switch (m) {
+#define BLOCK_CASE(M) \
+  case M: return block_dots_of<M>(rows, k, wa, wb, n, da, db);
+    BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
+#undef BLOCK_CASE
+  }
+}
+#else
+constexpr bool kBf16Rows = false;
+#endif
 
 // The rows' type: bf16 where its dot-product loop is built, else fp32 (exact either way)
 template <typename T>
@@ -183,43 +266,54 @@ torch::Tensor experts_of(const torch::Tensor& x, const torch::Tensor& w13, const
   const int64_t inter_tiles = (inter + kColTile - 1) / kColTile;
   const int64_t nblocks = static_cast<int64_t>(blocks.size());
   at::parallel_for(0, nblocks * inter_tiles, 1, [&](int64_t j0, int64_t j1) {
-    float gate[kMaxRows], up[kMaxRows];
+    float gate[kMaxRows * kColTile], up[kMaxRows * kColTile];
     for (int64_t job = j0; job < j1; ++job) {
       const Block& b = blocks[job / inter_tiles];
-      const int64_t c0 = job % inter_tiles * kColTile, c1 = std::min(inter, c0 + kColTile);
-      const R* rows = xf.data() + b.first * hidden;
+      const int64_t c0 = job % inter_tiles * kColTile, n = std::min(inter - c0, kColTile);
       const T* we = w13p + b.expert * 2 * inter * hidden;
-      for (int64_t c = c0; c < c1; ++c) {
-        dot_block(rows, static_cast<int>(b.rows), hidden, we + c * hidden, gate);
-        dot_block(rows, static_cast<int>(b.rows), hidden, we + (inter + c) * hidden, up);
-        for (int64_t m = 0; m < b.rows; ++m) {
-          const float g = held<T>(gate[m]), u = held<T>(up[m]);
-          h[(b.first + m) * inter + c] = static_cast<R>(held<T>(silu(g) * u));
+      block_dots(xf.data() + b.first * hidden, static_cast<int>(b.rows), hidden, we + c0 * hidden,
+                 we + (inter + c0) * hidden, n, gate, up);
+      for (int64_t m = 0; m < b.rows; ++m)
+        for (int64_t j = 0; j < n; ++j) {
+          const float g = held<T>(gate[m * kColTile + j]), u = held<T>(up[m * kColTile + j]);
+          h[(b.first + m) * inter + c0 + j] = static_cast<R>(held<T>(silu(g) * u));
         }
-      }
     }
   });
 
-  // down rows, scaled and summed per token; a job owns columns of `out`, so experts add in order
+  // down rows, jobs as above (a job owning output columns across every expert, which kept the sum
+  // order by construction, read 8 KB pieces 512 KB apart and streamed at half the rate); every
+  // pair's scaled product goes to `y`, then each token adds its pairs in ascending expert order
   const T* w2p = w2c.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t hidden_tiles = (hidden + kColTile - 1) / kColTile;
-  at::parallel_for(0, hidden_tiles, 1, [&](int64_t j0, int64_t j1) {
-    float down[kMaxRows];
+  std::vector<float> y(pairs * hidden);
+  at::parallel_for(0, nblocks * hidden_tiles, 1, [&](int64_t j0, int64_t j1) {
+    float down[kMaxRows * kColTile];
     for (int64_t job = j0; job < j1; ++job) {
-      const int64_t c0 = job * kColTile, c1 = std::min(hidden, c0 + kColTile);
-      for (const Block& b : blocks) {
-        const R* rows = h.data() + b.first * inter;
-        const T* we = w2p + b.expert * hidden * inter;
-        for (int64_t c = c0; c < c1; ++c) {
-          dot_block(rows, static_cast<int>(b.rows), inter, we + c * inter, down);
-          for (int64_t m = 0; m < b.rows; ++m) {
-            const int64_t pair = order[b.first + m];
-            const float y = held<T>(held<T>(down[m]) * wt[pair]);
-            T& o = op[pair / top_k * hidden + c];
-            o = static_cast<T>(static_cast<float>(o) + y);
-          }
-        }
+      const Block& b = blocks[job / hidden_tiles];
+      const int64_t c0 = job % hidden_tiles * kColTile, n = std::min(hidden - c0, kColTile);
+      block_dots(h.data() + b.first * inter, static_cast<int>(b.rows), inter,
+                 w2p + (b.expert * hidden + c0) * inter, static_cast<const T*>(nullptr), n, down, nullptr);
+      for (int64_t m = 0; m < b.rows; ++m) {
+        const float scale = wt[order[b.first + m]];
+        for (int64_t j = 0; j < n; ++j)
+          y[(b.first + m) * hidden + c0 + j] = held<T>(held<T>(down[m * kColTile + j]) * scale);
+      }
+    }
+  });
+  // token t's pairs, positions in the routing's order (ascending expert)
+  std::vector<int64_t> first(t + 1, 0), position(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ++first[order[p] / top_k + 1];
+  for (int64_t i = 0; i < t; ++i) first[i + 1] += first[i];
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) position[next[order[p] / top_k]++] = p;
+  at::parallel_for(0, t, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tok = t0; tok < t1; ++tok) {
+      T* o = op + tok * hidden;
+      for (int64_t i = first[tok]; i < first[tok + 1]; ++i) {
+        const float* yp = y.data() + position[i] * hidden;
+        for (int64_t c = 0; c < hidden; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + yp[c]);
       }
     }
   });
