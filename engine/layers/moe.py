@@ -47,10 +47,11 @@ from engine.layers.q8 import Q8Blocks
 
 # A CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is at
 # most this many (token, expert) pairs; larger groups go faster through the library GEMMs. Measured
-# crossovers (docs/PERFORMANCE.md), 8 and 64 experts: bf16 against oneDNN at 8-10 pairs; fp32
-# against MKL's sgemm at 16-64 (the kernel's fp32 rows need no widening, and sgemm runs at a lower
-# rate than the AMX/AVX512-BF16 GEMMs).
-KERNEL_MAX_GROUP = {torch.bfloat16: 8, torch.float32: 24}
+# crossovers (docs/PERFORMANCE.md): bf16 against oneDNN between 32 and 64 pairs (128 experts, AVX512-BF16
+# without AMX; the kernel's jobs in expert order and dot products over 16 weight rows at once; it
+# was 8-10 before those); fp32 against MKL's sgemm at 16-64 (the kernel's fp32 rows need no
+# widening, and sgemm runs at a lower rate than the AMX/AVX512-BF16 GEMMs).
+KERNEL_MAX_GROUP = {torch.bfloat16: 32, torch.float32: 24}
 # Rows per expert above which the quantized experts run their dequantized tiles, where the model
 # has no quantized dense projection whose crossover was measured (int4_crossover.py)
 EXPERT_ROW_BOUND = 16
