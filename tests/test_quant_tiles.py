@@ -115,6 +115,28 @@ def test_bf16_tiles_give_each_row_the_same_bits_in_any_batch(kind):
         assert torch.equal(form.tiles_matmul(x[i : i + 1]), batch[i : i + 1]), i
 
 
+@pytest.mark.parametrize("n, k", [(N, K), (200, 200), (48, 70), (33, 7)])
+def test_plain_bf16_weights_through_repacked_tiles(n, k):
+    """`bf16_tiles_mm` (a MoE layer's stacked experts, which have no prepacked form): W's rows
+    repacked per tile into VNNI pairs, 16 rows x 16 pairs at a time with the rest one by one (200 and
+    70 columns leave pairs past the last 16, 48 and 33 rows a part vector): bf16 outputs of fp32
+    sums of the exact products; an odd K and an fp32 x go to `F.linear` unchanged."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    module = cpu_extension.load()
+    for rows in (1, 6, 7, 40, 100):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y = module.bf16_tiles_mm(x, w)
+        assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+        exact = x.double() @ w.double().T
+        err = (y.double() - exact).abs().max() / exact.abs().max()
+        assert float(err) < 2**-7, (rows, float(err))
+        if k % 2:
+            assert torch.equal(y, F.linear(x, w))
+    x = torch.randn(5, k, generator=g)
+    torch.testing.assert_close(module.bf16_tiles_mm(x, w), F.linear(x, w.float()))
+
+
 def test_tiles_refuse_what_they_cannot_take():
     form = blocks_of("Q4_K").pack(torch.float32)
     if form is None:

@@ -46,12 +46,12 @@ from engine.layers.moe_quant import QuantExperts
 from engine.layers.q8 import Q8Blocks
 
 # A CPU forward runs the experts in one C++ call (cpu_moe.cpp) while the mean expert group is at
-# most this many (token, expert) pairs; larger groups go faster through the library GEMMs. Measured
-# crossovers (docs/PERFORMANCE.md): bf16 against oneDNN between 32 and 64 pairs (128 experts, AVX512-BF16
-# without AMX; the kernel's jobs in expert order and dot products over 16 weight rows at once; it
-# was 8-10 before those); fp32 against MKL's sgemm at 16-64 (the kernel's fp32 rows need no
-# widening, and sgemm runs at a lower rate than the AMX/AVX512-BF16 GEMMs).
-KERNEL_MAX_GROUP = {torch.bfloat16: 32, torch.float32: 24}
+# most this many (token, expert) pairs; larger groups go faster through a GEMM per expert. Measured
+# crossovers (docs/PERFORMANCE.md): bf16 against the experts' repacked tiles (`expert_linear`) at
+# ~30 pairs (128 experts, AVX512-BF16 without AMX; against oneDNN's F.linear it was 8-10 before the
+# kernel's jobs went in expert order); fp32 against MKL's sgemm at 16-64 (the kernel's fp32 rows
+# need no widening, and sgemm runs at a lower rate than the AMX/AVX512-BF16 GEMMs).
+KERNEL_MAX_GROUP = {torch.bfloat16: 24, torch.float32: 24}
 # Rows per expert above which the quantized experts run their dequantized tiles, where the model
 # has no quantized dense projection whose crossover was measured (int4_crossover.py)
 EXPERT_ROW_BOUND = 16
@@ -93,6 +93,11 @@ class FusedMoE(nn.Module):
         module = cpu_extension.load() if device.type == "cpu" and dtype in KERNEL_MAX_GROUP else None
         self.kernel = module if hidden_act == "silu" and hasattr(module, "moe_experts") else None
         self.kernel_max_pairs = KERNEL_MAX_GROUP.get(dtype, 0) * num_experts
+        # larger bf16 groups: each expert's two products through tiles repacked for our dot-product
+        # kernel (cpu_quant_tiles.cpp), as F.linear on a stacked expert's unpacked weight reorders
+        # the whole weight for oneDNN on every call
+        tiles = dtype == torch.bfloat16 and module is not None and hasattr(module, "bf16_tiles_mm")
+        self.expert_linear = module.bf16_tiles_mm if tiles else F.linear
         # the experts in blocks, filled while loading (`keep_blocks`) and kept by `finish_loading`
         blocks = device.type == "cpu" and hidden_act == "silu" and QuantExperts.available(dtype)
         quant = QuantExperts(expert_start, local, hidden_size, intermediate_size, dtype) if blocks else None
@@ -220,8 +225,8 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start : start + n]
-            h = self.act_fn(F.linear(x[rows], self.w13[expert]))
-            y = F.linear(h, self.w2[expert]) * scale[start : start + n]
+            h = self.act_fn(self.expert_linear(x[rows], self.w13[expert]))
+            y = self.expert_linear(h, self.w2[expert]) * scale[start : start + n]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
         return out

@@ -33,6 +33,7 @@ torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t n_out);
 torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           std::optional<torch::Tensor> supers);
+torch::Tensor bf16_tiles_mm(torch::Tensor x, torch::Tensor w);
 torch::Tensor quant_dequantize(torch::Tensor codes, torch::Tensor scales, std::optional<torch::Tensor> offsets,
                                int64_t n_out, torch::ScalarType dtype);
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
@@ -86,6 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_tiles_mm", &q8_tiles_mm, "x [M, K] @ W.T for many rows, W in 8-bit blocks, through dequantized tiles",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("supers"), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_tiles_mm", &bf16_tiles_mm, "bf16 x [M, K] @ W.T for a plain bf16 W [N, K] through VNNI-repacked tiles",
+        py::call_guard<py::gil_scoped_release>());
   m.def("quant_dequantize", &quant_dequantize, "a block-quantized weight's W [N, K] in bf16 or fp32",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",

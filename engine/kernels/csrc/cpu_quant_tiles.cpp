@@ -343,6 +343,50 @@ void fill_q4_vnni(const uint8_t* codes, const S& sc, int64_t nb, int64_t t0, int
   }
 }
 
+// A plain bf16 weight's rows [n0, n0 + rows) -> B's columns 0 ..: B's pair p of column n is W's
+// pair p of row n0 + n, a 32-bit transpose, done 16 rows x 16 pairs at a time in registers.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // chunk L: rows 2i, 2i+1 at columns 4L, 4L+1 | 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c] chunk L: rows 4i .. 4i+3 at column 4L + c
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: chunk L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+void fill_bf16_vnni(const bf16* w, int64_t k, int64_t n0, int64_t rows, bf16* B, int64_t T) {
+  const int64_t pairs = k / 2;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w) + n0 * pairs;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(B);
+  int64_t n = 0;
+  for (; n + 16 <= rows; n += 16) {
+    int64_t p = 0;
+    for (; p + 16 <= pairs; p += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (n + i) * pairs + p);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (p + j) * T + n, r[j]);
+    }
+    for (; p < pairs; ++p)
+      for (int i = 0; i < 16; ++i) dst[p * T + n + i] = src[(n + i) * pairs + p];
+  }
+  for (; n < rows; ++n)
+    for (int64_t p = 0; p < pairs; ++p) dst[p * T + n] = src[n * pairs + p];
+}
+
 // y[m, 16 nb + i] for MR rows of x and NB vectors of 16 columns: one fp32 chain per output over
 // every pair of K, rounded to bf16 once; the last vector's columns masked by `last`.
 template <int MR, int NB>
@@ -640,6 +684,27 @@ Q8Form q8_form(const torch::Tensor& codes, const torch::Tensor& scales, const st
 // y [M, n_out] = x @ W.T for x bf16 or fp32 [M, K] (y of x's dtype), W in q4_pack's layout (fp16
 // scales and offsets [T, K/32, 16]) or q4k_pack's K form (uint8 sc|m [T, K/32, 2, 16], fp16 d|dmin
 // [T, K/256, 2, 16]), through dequantized tiles.
+// y [M, N] = x @ W.T for x and a plain W [N, K] both bf16, where the dot-product tiles are built
+// (and oneDNN has no AMX for this many rows): W's rows repacked per tile into the VNNI pairs the
+// 4-bit tiles are written in. For weights with no prepacked oneDNN form (a MoE layer's experts,
+// stacked and sliced per expert), whose `F.linear` repacks the whole weight on every call. Else
+// at::linear.
+torch::Tensor bf16_tiles_mm(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.device().is_cpu(), "bf16_tiles_mm: w bf16 [N, K]");
+  check_x(x, w.size(1), "bf16_tiles_mm");
+#if defined(ASYNCLLM_VNNI_TILES)
+  if (x.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0 && vnni_tiles(x.size(0))) {
+    const torch::Tensor wc = w.contiguous();
+    const bf16* wp = wc.data_ptr<bf16>();
+    const int64_t k = wc.size(1);
+    auto fill_vnni = [&](int64_t n0, int64_t rows, bf16* B, int64_t T) { fill_bf16_vnni(wp, k, n0, rows, B, T); };
+    auto unused = [](int64_t, int64_t, torch::Tensor&) {};  // the VNNI path is taken for every tile
+    return tiled_product(x, wc.size(0), true, unused, fill_vnni);
+  }
+#endif
+  return at::linear(x, w.to(x.scalar_type()));
+}
+
 torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t n_out) {
   check_q4(codes, scales, offsets, n_out);
