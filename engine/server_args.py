@@ -96,7 +96,8 @@ class ServerArgs:
     torch_threads: int | None = None
     # CPU + bf16 or fp32 only: linears of inputs up to this many rows (decode batch size) use the
     # packed 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights (and the Q8_0 kernel on its LM head,
-    # or on --torchao-config's blocks); more rows use the dense weights. 0 disables.
+    # or on --torchao-config's blocks); more rows use the dense weights. 0 disables. In bf16 the
+    # 4-bit loops read x in int8 blocks (csrc/cpu_quant_gemv.cpp); with 0 every product keeps x exact.
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None

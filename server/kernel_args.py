@@ -31,7 +31,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "--q4-max-tokens",
         type=non_negative_int,
         help="CPU, bfloat16 or float32: forward passes of up to this many tokens run the linears on their "
-        "quantized form (a GGUF's 4-bit blocks and Q8_0 head, or --torchao-config's); 0 disables "
+        "quantized form (a GGUF's 4-bit blocks and Q8_0 head, or --torchao-config's; in bfloat16 the 4-bit "
+        "loops read the activations in int8 blocks, as llama.cpp does); 0 disables "
         "(default: the crossover with the dense matmul, measured at start-up)",
     )
     g.add_argument(
