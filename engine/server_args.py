@@ -96,11 +96,13 @@ class ServerArgs:
     torch_threads: int | None = None
     # CPU + bf16 or fp32 only: linears of inputs up to this many rows (decode batch size) use the
     # packed 4-bit kernel on a Q4_0/Q4_1 GGUF's own weights (and the Q8_0 kernel on its LM head,
-    # or on --torchao-config's blocks); more rows use the dense weights. 0 disables. In bf16 the
-    # 4-bit loops read x in int8 blocks (csrc/cpu_quant_gemv.cpp); with 0 every product keeps x exact.
+    # or on --torchao-config's blocks); more rows use the dense weights. 0 disables.
     # None: measured at start-up, where the int4 kernel stops beating the dense matmul on this
     # machine (engine/layers/int4_crossover.py; the crossover depends on the CPU and thread count).
     q4_max_tokens: int | None = None
+    # CPU bf16: the 4-bit loops read x in int8 blocks, as llama.cpp's dot products do (VNNI: twice
+    # the products per instruction; ~5x bf16's rounding of x, so off by default). Process-wide.
+    q4_int8_activations: bool = False
     # SGLang's on-the-fly weight-only quantization of a Hugging Face checkpoint: "int8wo" or
     # "int4wo-<32|64|128|256>", into the forms our CPU kernels read (engine/layers/weight_quant.py;
     # bf16 or fp32 on a CPU; elsewhere the model computes densely with the quantized values); one rank.

@@ -18,7 +18,7 @@ import torch
 from engine.kernels import cpu_quant
 from engine.layers import int4_crossover
 from engine.layers.activation import SiluAndMul
-from engine.layers.int4 import int4_kernel_available
+from engine.layers.int4 import TiledQ4Weight, int4_kernel_available
 from engine.layers.linear import DenseLinear, DequantTilesLinear, OneDNNLinear, QuantLinear, onednn_bf16_available
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
@@ -128,7 +128,7 @@ def test_hf_folder_bf16_has_no_int4_form(tiny_folder):
 def test_q4_rows_are_measured_unless_given(default_source, monkeypatch):
     runner = _runner(default_source, dtype="bfloat16")
     rows = runner.q4_max_tokens
-    assert 0 <= rows <= int4_crossover.CANDIDATE_ROWS[-1]
+    assert 0 <= rows <= int4_crossover.CANDIDATE_ROWS[-1] or rows == int4_crossover.ALL_ROWS
     int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
     assert all(p.max_rows == rows for p in int4) and len(int4) == len(_projections(runner.model))
     # A machine where the small-batch loops never win: our blocks stay the only form, every row
@@ -148,12 +148,60 @@ def test_crossover_measurement_is_cached_and_bounded(default_source):
     runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=64)
     int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
     first = int4_crossover.measure_int4_crossover(int4)
-    assert 0 <= first <= int4_crossover.CANDIDATE_ROWS[-1]
+    assert 0 <= first <= int4_crossover.CANDIDATE_ROWS[-1] or first == int4_crossover.ALL_ROWS
     timed = int4_crossover.cold_cache_prefix(int4)
     llc = int4_crossover.last_level_cache_bytes()
     timed_bytes = sum(2 * p.in_features * p.out_features for p in timed)
     assert timed_bytes >= 2 * llc or len(timed) == len(int4)  # the weights cannot all sit in the cache
     assert int4_crossover.measure_int4_crossover(int4) == first  # cached: the same shapes, threads
+
+
+@needs_fast_paths
+def test_a_prefill_sized_point_decides_every_row_count(default_source, monkeypatch):
+    """With --q4-int8-activations, bf16 4-bit loops that still win at the last row count timed get
+    one more point, at PREFILL_ROWS on the first PREFILL_WEIGHTS parameters, timed hot: winning
+    there, they run every row count; losing, the bound stays. A measured loss, the Q8_0 head and
+    the exact loops (the default) skip the point."""
+    runner = _runner(default_source, dtype="bfloat16", q4_max_tokens=64)
+    int4 = [p for p in _projections(runner.model) if isinstance(p, QuantLinear)]
+    seen: list[tuple[int, int, bool]] = []
+    monkeypatch.setattr(cpu_quant, "int8_activations", lambda: True)
+
+    def best_times(a, b, evict):
+        seen.append((len(a[0]), a[1][0].shape[0], evict is None))
+        return 1.0, 2.0  # the quantized side twice as fast at every point
+
+    monkeypatch.setattr(int4_crossover, "_best_times", best_times)
+    monkeypatch.setattr(int4_crossover, "BUDGET_S", 0.0)
+    for wins, expect in ((True, int4_crossover.ALL_ROWS), (False, int4_crossover.MIN_ROWS)):
+        monkeypatch.setattr(int4_crossover, "_cache", {})
+        monkeypatch.setattr(int4_crossover, "PREFILL_WIN", 0.4 if wins else 0.6)
+        seen.clear()
+        assert int4_crossover.measure_int4_crossover(int4) == expect
+        n, rows, hot = seen[-1]  # the prefill point: hot, on the first projections holding the weights
+        assert rows == int4_crossover.PREFILL_ROWS and hot
+        weights = [p.in_features * p.out_features for p in int4[:n]]
+        assert sum(weights) >= int4_crossover.PREFILL_WEIGHTS > sum(weights[:-1])
+    # a loss at the first point: bounded (0 here), no prefill point
+    monkeypatch.setattr(int4_crossover, "_cache", {})
+    monkeypatch.setattr(int4_crossover, "_best_times", lambda a, b, evict: seen.append(a[1][0].shape[0]) or (2.0, 1.0))
+    seen.clear()
+    assert int4_crossover.measure_int4_crossover(int4) == 0 and seen == [1]
+    head = runner.model.lm_head
+    assert isinstance(head, QuantLinear) and not isinstance(head.packed, TiledQ4Weight)
+    monkeypatch.setattr(int4_crossover, "_best_times", best_times)
+    seen.clear()
+    assert int4_crossover.measure_int4_crossover([head]) == int4_crossover.MIN_ROWS
+    assert all(rows != int4_crossover.PREFILL_ROWS for _, rows, _ in seen)
+    monkeypatch.setattr(cpu_quant, "int8_activations", lambda: False)
+    monkeypatch.setattr(int4_crossover, "_cache", {})
+    seen.clear()
+    assert int4_crossover.measure_int4_crossover(int4) == int4_crossover.MIN_ROWS
+    assert all(rows != int4_crossover.PREFILL_ROWS for _, rows, _ in seen)
+    # every row count through the loops: a prefill-sized input runs them, not the tiles
+    x = torch.randn(300, int4[0].in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    int4[0].max_rows = int4_crossover.ALL_ROWS
+    assert torch.equal(int4[0](x), int4[0].packed.matmul(x))
 
 
 @needs_fast_paths

@@ -124,9 +124,7 @@ def test_bf16_small_batches_run_the_quantized_kernels(spec, tmp_path):
     reqs = [sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=24)) for p in prompts]
     sched.run_until_idle()
     bar = teacher_forced(hf, prompts, [r.output_ids for r in reqs])
-    # The 4-bit kernel reads x in int8 blocks: on this tiny random model's exact ties (gaps of a
-    # few thousandths, far below a bf16 logit's resolution) its picks may differ from transformers'.
-    assert bar["ok"] or (spec != "int8wo" and bar["max_gap"] < 0.02), bar
+    assert bar["ok"], bar
 
 
 def test_torchao_config_refusals(tmp_path):

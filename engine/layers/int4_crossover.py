@@ -26,7 +26,8 @@ it and even at 4; timed cold the crossover is 4-5. Each point is the minimum of 
 repeats (noise on a shared machine only ever adds time, and alternation exposes both sides to the
 same load); the answer is interpolated between the last win and the first loss, where a win means
 beating the dense side by REQUIRED_WIN (see there). Results are cached per process for the same
-shapes and thread count.
+shapes and thread count. Where the quantized side still wins at the last point, a prefill-sized
+point decides whether it runs every row count (PREFILL_ROWS, see there).
 About 0.4 s for the default model, ~2 s for a 1B-class one.
 """
 
@@ -40,6 +41,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine.kernels import cpu_quant
+from engine.layers.int4 import TiledQ4Weight
 from engine.layers.linear import BatchInvariantLinear, QuantLinear
 
 Q = TypeVar("Q", QuantLinear, BatchInvariantLinear)
@@ -59,6 +62,19 @@ MIN_ROWS = 4
 # at 32, while whole decode steps were 15% faster at 16, even at 24 and 14% slower at 32 (the
 # rest of the step's traffic costs the multi-pass small-batch kernel more than oneDNN's GEMM).
 REQUIRED_WIN = 0.2
+# Where the quantized side still wins at the last row count timed, one more point decides whether
+# it wins at prefill sizes too (then it runs every row count: ALL_ROWS). With --q4-int8-activations
+# bf16's 4-bit loops read x in int8 blocks, twice the products per instruction of the dequantized
+# tiles' bf16 GEMM: on an AVX512-BF16 CPU without AMX the default model's 4-bit projections took
+# 0.61-0.77x the tiles' time at 32-512 rows, and M2 ran 1.09-1.25x faster with them at every row
+# count. (The exact bf16 loops lose to the tiles from a few dozen rows: no such point for them.) An AMX build's tiles
+# hand 64+ rows to oneDNN, several times faster per row, and there the bound stays. Timed hot (a
+# prefill chunk is compute-bound) on the first projections holding PREFILL_WEIGHTS parameters; the
+# quantized side must win by PREFILL_WIN (no decode traffic rides on a prefill chunk's margin).
+PREFILL_ROWS = 256
+PREFILL_WEIGHTS = 8 << 20
+PREFILL_WIN = 0.05
+ALL_ROWS = 1 << 30
 FALLBACK_LLC_BYTES = 64 << 20  # when the cache size cannot be read: larger than most CPUs' L3
 
 _cache: dict[tuple, int] = {}
@@ -137,7 +153,7 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
     kernel loses even for one row."""
     chosen = cold_cache_prefix(linears)
     shapes = tuple((m.out_features, m.in_features, type(m.packed).__name__, type(m.big).__name__) for m in chosen)
-    key = (shapes, str(dtype), torch.get_num_threads())
+    key = (shapes, str(dtype), torch.get_num_threads(), cpu_quant.int8_activations())
     if key in _cache:
         return _cache[key]
     started = time.perf_counter()
@@ -145,7 +161,7 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
     int4_fns = [m.packed.matmul for m in chosen]
     dense_fns = [m.big for m in chosen]
     evict = _eviction_buffer(sum(m.packed.nbytes for m in chosen))
-    prev_rows, prev_gain, result = 0, 0.0, CANDIDATE_ROWS[-1]
+    prev_rows, prev_gain, result, lost = 0, 0.0, CANDIDATE_ROWS[-1], False
     with torch.inference_mode():
         for rows in CANDIDATE_ROWS:
             inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
@@ -154,16 +170,20 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
             gain = (1.0 - REQUIRED_WIN) * t_dense - t_int4
             if gain <= 0:  # the zero of the gain, linear between the last win and this loss
                 result = prev_rows + int((rows - prev_rows) * prev_gain / (prev_gain - gain)) if prev_rows else 0
+                lost = True
                 break
             prev_rows, prev_gain = rows, gain
             if rows >= MIN_ROWS and time.perf_counter() - started > BUDGET_S:
                 result = rows
                 break
+        int8_loops = dtype == torch.bfloat16 and cpu_quant.int8_activations()
+        if not lost and int8_loops and all(isinstance(m.packed, TiledQ4Weight) for m in linears):
+            result = ALL_ROWS if _wins_at_prefill(linears, dtype, gen) else result
     log.info(
-        "quantized loops vs %s crossover (%s): %d rows (%d projections timed%s in %.2f s, %d threads)",
+        "quantized loops vs %s crossover (%s): %s rows (%d projections timed%s in %.2f s, %d threads)",
         "dequantized tiles" if type(chosen[0].big).__name__ == "DequantTilesLinear" else "dense",
         str(dtype).removeprefix("torch."),
-        result,
+        bound_text(result),
         len(chosen),
         " cold" if evict is not None else "",
         time.perf_counter() - started,
@@ -171,6 +191,26 @@ def measure_int4_crossover(linears: Sequence[QuantLinear], dtype: torch.dtype = 
     )
     _cache[key] = result
     return result
+
+
+def bound_text(rows: int) -> str:
+    """A quantized path's row bound as the logs say it."""
+    return "any number of" if rows >= ALL_ROWS else f"<= {rows}"
+
+
+def _wins_at_prefill(linears: Sequence[QuantLinear], dtype: torch.dtype, gen: torch.Generator) -> bool:
+    """Whether the quantized kernel beats the fallback form by PREFILL_WIN on PREFILL_ROWS rows."""
+    chosen, total = [], 0
+    for m in linears:
+        chosen.append(m)
+        total += m.out_features * m.in_features
+        if total >= PREFILL_WEIGHTS:
+            break
+    inputs = {k: torch.randn(PREFILL_ROWS, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
+    xs = [inputs[m.in_features] for m in chosen]
+    t_quant, t_big = _best_times(([m.packed.matmul for m in chosen], xs), ([m.big for m in chosen], xs), None)
+    log.info("quantized loops at %d rows: %.2f ms, the fallback form %.2f ms", PREFILL_ROWS, 1e3 * t_quant, 1e3 * t_big)
+    return t_quant <= (1.0 - PREFILL_WIN) * t_big
 
 
 def blocks_beat_padded_tiles(linears: Sequence[BatchInvariantLinear], dtype: torch.dtype) -> bool:

@@ -29,10 +29,12 @@ from engine.device.step_threads import StepThreads, measure_small_step_threads
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.step_message import TPStep, encode
 from engine.errors import InvalidRequestError, InvalidServerArgsError, ModelLoadError
+from engine.kernels import cpu_quant
 from engine.layers.attention_backend import check_attention_backend, create_attention_backend, resolve_attention_backend
 from engine.layers.attention_ops import HeadLayout
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import int4_kernel_available
+from engine.layers.int4_crossover import bound_text
 from engine.layers.linear import QuantLinear, RowTiles, one_row_pass
 from engine.layers.moe import FusedMoE
 from engine.layers.weight_quant import WeightOnlyQuant
@@ -126,7 +128,7 @@ class ModelRunner(RunnerWeights):
         )
         # Hybrid SWA memory (engine/cache/swa_pool.py): the local layers' KV in a pool of its own.
         self.swa_memory = bool(cfg.layer_windows) and not args.disable_hybrid_swa_memory
-        self.model, self.q4_max_tokens = self._load_model(q4_max_tokens)
+        self.q4_requested, (self.model, self.q4_max_tokens) = q4_max_tokens, self._load_model(q4_max_tokens)
         self.shard = shard = self.model.shard
         self.lora = LoRAManager.build(args, cfg, self.device, self.dtype, shard)  # None: LoRA off
         self._init_memory()
@@ -223,6 +225,7 @@ class ModelRunner(RunnerWeights):
             and RowTiles.for_weights(self.dtype, self.device).decode_blocks
         )
         want_q4 = (q4_max_tokens != 0 or invariant_blocks) and int4_kernel_available(self.dtype)
+        cpu_quant.set_int8_activations(want_q4 and self.args.q4_int8_activations and not invariant_blocks)
         quant = WeightOnlyQuant.parse(self.args.torchao_config)  # verified by ServerArgs
         if quant is not None and source.gguf_file is not None:
             raise InvalidServerArgsError(
@@ -259,7 +262,7 @@ class ModelRunner(RunnerWeights):
                 log.info("quantized kernels for decode-like forwards of any size (deterministic): %s", packed)
             else:
                 how = "measured" if q4_max_tokens is None else "set"
-                log.info("quantized kernels for inputs of <= %d rows (%s): %s", q4_rows, how, packed)
+                log.info("quantized kernels for inputs of %s rows (%s): %s", bound_text(q4_rows), how, packed)
         if model.fused:
             log.info("fused C++ RMSNorm / SiLU-and-mul / rotary on")
         return model, q4_rows

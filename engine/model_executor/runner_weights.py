@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 class RunnerWeights:
     """Needs the runner's `model`, `source`, `model_config`, `kv_cache`, `tp`, `device`,
-    `q4_max_tokens`, `use_cuda_graph`, `graph_runner`, `_load_model`, `_init_fused_decode` and
+    `q4_max_tokens`, `q4_requested`, `use_cuda_graph`, `graph_runner`, `_load_model`, `_init_fused_decode` and
     `_init_cuda_graphs`."""
 
     model: LlamaForCausalLM | None
@@ -47,7 +47,7 @@ class RunnerWeights:
             source = resolve_model(model_path)
             new_cfg = ModelConfig.from_hf(source.hf_config, source.architecture, source.generation_eos)
             check_same_model(self.model_config, self.source.hf_config, new_cfg, source.hf_config)
-            model, _ = self._load_model(self.q4_max_tokens, source)
+            model, _ = self._load_model(self.q4_requested, source)
         except Exception as e:  # every rank must get here, to agree below
             error = e if isinstance(e, ModelLoadError) else ModelLoadError(f"cannot load {model_path}: {e}")
         self._agree(error, model_path)
@@ -142,7 +142,7 @@ class RunnerWeights:
         if "weights" in tags and self.model is None:
             model, error = None, None
             try:
-                model, _ = self._load_model(self.q4_max_tokens)
+                model, _ = self._load_model(self.q4_requested)
             except Exception as e:  # every rank must get here, to agree below
                 error = e if isinstance(e, ModelLoadError) else ModelLoadError(str(e))
             self._agree(error, "the weights")

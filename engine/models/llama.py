@@ -34,7 +34,7 @@ from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import VOCAB_PARALLEL, TPShard
 from engine.errors import ModelLoadError
 from engine.layers.fused_decode import FusedDecodeLayers
-from engine.layers.int4 import Q4Blocks
+from engine.layers.int4 import Q4Blocks, TiledQ4Weight
 from engine.layers.int4_crossover import blocks_beat_padded_tiles, measure_int4_crossover
 from engine.layers.linear import (
     BatchInvariantLinear,
@@ -391,12 +391,16 @@ class LlamaForCausalLM(nn.Module):
         if not measure:
             return rows
         quant = [(name, m) for name, m in self.named_modules() if isinstance(m, QuantLinear)]
-        layers = [(name, m) for name, m in quant if name != "lm_head"]
+        # different kernels, measured apart: the 4-bit layers, the 8-bit ones (a Q4_K_M file's
+        # Q6_K tensors), the LM head
+        layers = [(name, m) for name, m in quant if name != "lm_head" and isinstance(m.packed, TiledQ4Weight)]
+        layers8 = [(name, m) for name, m in quant if name != "lm_head" and not isinstance(m.packed, TiledQ4Weight)]
         head = [(name, m) for name, m in quant if name == "lm_head"]
         dtype = weight.dtype  # the inputs' (fp32 and bf16 run different loops)
-        rows = measure_int4_crossover([m for _, m in layers], dtype) if layers else 0
-        head_rows = measure_int4_crossover([m for _, m in head], dtype) if head else 0
-        for group, bound in ((layers, rows), (head, head_rows)):
+        groups = (layers, layers8, head)
+        bounds = [measure_int4_crossover([m for _, m in group], dtype) if group else 0 for group in groups]
+        rows = min((b for b, group in zip(bounds[:2], groups[:2]) if group), default=0)  # the experts' bound too
+        for group, bound in zip(groups, bounds):
             for name, m in group:
                 if bound > 0 or isinstance(m.big, DequantTilesLinear):
                     m.max_rows = bound  # 0: the blocks' tiles at every row count

@@ -20,6 +20,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool quant_gemv_vectorized();
+void set_q4_int8_activations(bool on);
+bool q4_int8_activations();
 namespace asyncllm {
 bool attention_bf16dot_built();
 }
@@ -70,6 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_gemv_vectorized", &quant_gemv_vectorized, "whether q4_gemv and the lane-order 8-bit loops run vectorized here");
   // the quantized products and the fused layers release the GIL: the event loop runs meanwhile
+  m.def("set_q4_int8_activations", &set_q4_int8_activations,
+        "whether q4_gemv reads a bf16 x in int8 blocks (VNNI dot products) or exactly (bf16 ones)");
+  m.def("q4_int8_activations", &q4_int8_activations, "the set_q4_int8_activations setting");
   m.def("q4_gemv", &q4_gemv, "bf16 x [M, K] @ W.T, W in 4-bit blocks (cpu_quant.q4_pack layout)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemv_f32", &gemv_f32, "fp32 x [M <= 8, K] @ W.T (+ b), W streamed once (engine/kernels/cpu_gemv.py)",

@@ -6,7 +6,7 @@
 // bandwidth; torch's int4pack CPU kernel unpacks each weight to fp32 and reaches ~16 GB/s on one
 // core of the development machine (its read bandwidth is ~40 GB/s). These loops unpack with few
 // instructions per weight so the read of the blocks is the bound at one row, and at more rows
-// (a batched decode step) the integer dot products make them twice as fast per row as bf16 ones.
+// (a batched decode step) the dot products' rate is the bound.
 //
 // 4-bit layout (cpu_quant.q4_pack): rows in tiles of 16, one row per 32-bit lane, so a tile's 16
 // outputs accumulate in one vector and need no horizontal sums. For tile t, 32-weight block b and
@@ -15,14 +15,17 @@
 // 2j+e). 64 bytes (pairs j, j+1) give, after a mask (or a shift and a mask) and one word permute,
 // row i's four consecutive codes in lane i.
 //
-// x is read in int8 blocks (quantize_rows, as llama.cpp's Q8_1): the codes are unsigned integers,
-// so AVX512-VNNI's u8 x s8 dot product sums each block's code x q products exactly in int32, and
+// x is read exactly by default (AVX512-BF16 dot products on the codes as bf16 numbers, below), or
+// with --q4-int8-activations in int8 blocks (quantize_rows, as llama.cpp's Q8_1): the codes are
+// unsigned integers, so AVX512-VNNI's u8 x s8 dot product sums each block's code x q products
+// exactly in int32, and
 //   sum_j (d c_j + m) x_j ~= d * dx * sum_j c_j q_j + m * sum_j x_j
 // costs one conversion and two FMAs a row and block; the offsets meet x's exact fp32 block sum.
-// Scales d and offsets m stay fp16, exactly as the file stores them (Q4_0's m = -8 d is exact too),
-// laid out [t][b][16 rows]. The int8 steps (~1/254 of a block's largest value) are small beside the
-// 4-bit weights' own (1/15 of a block's range); the fp32 loops (cpu_quant_gemv_f32.cpp), the parity
-// path, keep x exact.
+// Twice the products per instruction, ~1.3-1.6x faster from 8 rows up on a Zen 4 core, but the
+// int8 steps (~1/254 of a block's largest value) are ~5x bf16's rounding of x: the default model's
+// greedy tokens agree with transformers bf16's argmax 97% of the time against 99% exact
+// (docs/PERFORMANCE.md), so it is the user's choice, not the default. Scales d and offsets m stay
+// fp16, exactly as the file stores them (Q4_0's m = -8 d is exact too), laid out [t][b][16 rows].
 //
 // 4-bit K form (llama.cpp's Q4_K, q4k_pack): the same codes, each block's d and m made from two
 // factors (a 6-bit integer per block, an fp16 per 256 weights; exact in fp32) where the loop reads
@@ -38,6 +41,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -265,6 +269,129 @@ void q4_rows(const Int8Rows& xr, int64_t m0, int64_t m_rows, int64_t k, const ui
 }
 #endif
 
+// ---- x exact (the default): AVX512-BF16 dot products on the codes as bf16 numbers ----------------
+//
+// A code c becomes the bf16 number 128 + c by OR-ing in 0x4300 (bf16 has 8 significant bits, so
+// 128..255 are exact), and AVX512-BF16's dot product multiplies it exactly by the broadcast pair of
+// x and sums in fp32: 16 dot products give each row's block sum S_b = sum_j (128 + q_j) x_j, and
+//   sum_j (d q_j + m) x_j = d * S_b + (m - 128 d) * sum_j x_j
+// costs two FMAs per block for all 16 rows. One 32-byte load widened to 16-bit lanes gives pairs j
+// and j + 8 after one mask and one shift.
+
+// sum of x over each 32-wide block, fp32: sx[m * nb + b]
+void block_sums(const bf16* x, int64_t m_rows, int64_t k, float* sx) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < kBlock; ++j) s += static_cast<float>(x[m * k + b * kBlock + j]);
+      sx[m * nb + b] = s;
+    }
+}
+
+// Plain loops over the same layout: the exact-x reference arithmetic (also the fallback).
+template <typename S>
+void q4_rows_scalar_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                    bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = codes + (t * nb + b) * kTileBlock;
+          float s = 0.0f;
+          for (int64_t w = 0; w < kBlock; ++w) {
+            const int64_t j = w / 2, e = w % 2;
+            const uint8_t byte = block[(j % 8) * 32 + 2 * i + e];
+            const int code = j >= 8 ? byte >> 4 : byte & 15;
+            s += static_cast<float>(x[m * k + b * kBlock + w]) * static_cast<float>(code);
+          }
+          acc += sc.scale1(t, b, i) * s + sc.offset1(t, b, i) * sx[m * nb + b];
+        }
+        y[m * n_out + t * kTile + i] = static_cast<bf16>(acc);
+      }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+inline __m512bh pair_of(const bf16* p) {  // x[p], x[p + 1] in every 32-bit lane
+  int32_t both;
+  std::memcpy(&both, p, sizeof(both));
+  return (__m512bh)_mm512_set1_epi32(both);
+}
+
+// One tile (16 rows) against M rows of x, B blocks per step: every (m, block) pair has two
+// independent dot-product chains (low and high nibbles), enough to hide the dot product's latency.
+template <int M, int B, typename S>
+void q4_tile_exact(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y, int64_t n_out,
+             int64_t t) {
+  const int64_t nb = k / kBlock;
+  const __m512i low = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  auto finish_block = [&](int64_t b, __m512 (&s)[M]) {
+    const __m512 d = sc.scale(t, b);
+    const __m512 off = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), sc.offset(t, b));
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm512_fmadd_ps(s[m], d, acc[m]);
+      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
+    }
+  };
+  for (int64_t b = 0; b < nb; b += B) {  // nb is even: K is a multiple of 64
+    __m512 lo_sum[B][M], hi_sum[B][M];
+    for (int u = 0; u < B; ++u)
+      for (int m = 0; m < M; ++m) lo_sum[u][m] = hi_sum[u][m] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; ++j)
+      for (int u = 0; u < B; ++u) {
+        const uint8_t* p = codes + ((t * nb + b + u) * 8 + j) * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 0xF) | 0x4300
+        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+        for (int m = 0; m < M; ++m) {
+          const bf16* xb = x + m * k + (b + u) * kBlock;
+          lo_sum[u][m] = _mm512_dpbf16_ps(lo_sum[u][m], pair_of(xb + 2 * j), lo);
+          hi_sum[u][m] = _mm512_dpbf16_ps(hi_sum[u][m], pair_of(xb + 2 * j + 16), hi);
+        }
+      }
+    for (int u = 0; u < B; ++u) {
+      __m512 s[M];
+      for (int m = 0; m < M; ++m) s[m] = _mm512_add_ps(lo_sum[u][m], hi_sum[u][m]);
+      finish_block(b + u, s);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTile, n_out - t * kTile);
+  const __mmask16 mask = live == kTile ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+  for (int m = 0; m < M; ++m)  // round to nearest even, 16 rows per instruction
+    _mm256_mask_storeu_epi16(y + m * n_out + t * kTile, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+template <int M, typename S>
+void q4_tiles_exact(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y, int64_t n_out,
+              int64_t t0, int64_t t1) {
+  constexpr int B = M <= 2 ? 2 : 1;  // keep 2*B*M chains and M accumulators in registers
+  for (int64_t t = t0; t < t1; ++t) q4_tile_exact<M, B>(x, sx, k, codes, sc, y, n_out, t);
+}
+
+template <typename S>
+void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
+             int64_t n_out, int64_t t0, int64_t t1) {
+  switch (m_rows) {
+#define Q4_CASE(M) \
+  case M: return q4_tiles_exact<M>(x, sx, k, codes, sc, y, n_out, t0, t1);
+    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
+#undef Q4_CASE
+  }
+}
+#else
+
+template <typename S>
+void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
+             int64_t n_out, int64_t t0, int64_t t1) {
+  q4_rows_scalar_exact(x, sx, m_rows, k, codes, sc, y, n_out, t0, t1);
+}
+#endif
+
 // Tiles per parallel task: ~256 KB of weights, so a decode step's
 // projections split across threads while a single-threaded forward runs them inline.
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1)); }
@@ -294,6 +421,11 @@ void check_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
 
 }  // namespace
 
+// --q4-int8-activations: process-wide, set when a model loads (engine/kernels/cpu_quant.py).
+static std::atomic<bool> g_q4_int8_activations{false};
+void set_q4_int8_activations(bool on) { g_q4_int8_activations.store(on); }
+bool q4_int8_activations() { return g_q4_int8_activations.load(); }
+
 bool q8_lanes_vectorized();
 
 // The bf16 block loops, 4-bit here and 8-bit in lane order, both run vectorized here.
@@ -306,21 +438,34 @@ bool quant_gemv_vectorized() { return kQ4Vectorized && q8_lanes_vectorized(); }
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized) {
   check_q4(x, codes, scales, offsets, n_out, "q4_gemv");
-  const int64_t tiles = codes.size(0), k = codes.size(1) * kBlock, rows = x.size(0);
+  const int64_t tiles = codes.size(0), k = codes.size(1) * kBlock, rows = x.size(0), nb = k / kBlock;
   auto y = torch::empty({rows, n_out}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
-  const Int8Rows xr = quantize_rows(x.data_ptr<bf16>(), rows, k);
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const bool int8_x = q4_int8_activations();
+  Int8Rows xr;
+  std::vector<float> sx;
+  if (int8_x) {
+    xr = quantize_rows(xp, rows, k);
+  } else {
+    sx.resize(rows * nb);
+    block_sums(xp, rows, k, sx.data());
+  }
   // Each task takes its tiles through every group of kMaxRows rows of x in turn: a group's pass
   // finds the task's weights (~256 KB) still in L2, so more rows cost compute, not DRAM reads.
   auto run = [&](const auto& sc) {
     auto groups = [&](int64_t t0, int64_t t1) {
       for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
         const int64_t m_rows = std::min<int64_t>(kMaxRows, rows - m0);
-        bf16* yp = y.data_ptr<bf16>();
-        if (vectorized)
+        if (int8_x && vectorized)
           q4_rows(xr, m0, m_rows, k, cp, sc, yp, n_out, t0, t1);
-        else
+        else if (int8_x)
           q4_rows_scalar(xr, m0, m_rows, k, cp, sc, yp, n_out, t0, t1);
+        else if (vectorized)
+          q4_rows_exact(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sc, yp + m0 * n_out, n_out, t0, t1);
+        else
+          q4_rows_scalar_exact(xp + m0 * k, sx.data() + m0 * nb, m_rows, k, cp, sc, yp + m0 * n_out, n_out, t0, t1);
       }
     };
     if (vectorized)
@@ -328,7 +473,6 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
     else
       groups(0, tiles);
   };
-  const int64_t nb = k / kBlock;
   if (scales.scalar_type() == torch::kByte)
     run(KScales{{scales.data_ptr<uint8_t>(), offsets.data_ptr<at::Half>(), nb}});
   else
