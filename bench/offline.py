@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
         help="ours: weight-only quantization of an HF checkpoint as it loads (int8wo, int4wo-128, ...)",
     )
     ap.add_argument(
+        "--q4-int8-activations",
+        action="store_true",
+        help="ours: the server's --q4-int8-activations (4-bit loops read x in int8 blocks; off by default)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -260,6 +265,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         keep(run(*run_args, **run_kw))
 
     quant = {"torchao_config": args.torchao_config} if args.torchao_config else {}
+    if args.q4_int8_activations:
+        quant["q4_int8_activations"] = True
     for wl in workloads:
         for r in run_ours_passes(wl, args, args.rounds, **quant):
             keep(r)
