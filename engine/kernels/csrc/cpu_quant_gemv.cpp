@@ -43,6 +43,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "q4_scales.h"
@@ -116,6 +117,18 @@ Int8Rows quantize_rows(const bf16* x, int64_t m_rows, int64_t k) {
     for (int64_t i = i0; i < i1; ++i) quantize_block(x + i * kBlock, r.q.data() + i * kBlock, &r.d[i], &r.s[i]);
   });
   return r;
+}
+
+// fn(std::integral_constant<int, M>) for M = m_rows (1..kMaxRows): the row count as a template
+// argument, so each loop keeps its M rows' accumulators in registers.
+template <typename F>
+void with_rows(int64_t m_rows, F&& fn) {
+  switch (m_rows) {
+#define Q4_CASE(M) \
+  case M: return fn(std::integral_constant<int, M>{});
+    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
+#undef Q4_CASE
+  }
 }
 
 void check_x(const torch::Tensor& x, int64_t k, const char* op) {
@@ -252,12 +265,7 @@ void q4_tiles(const Int8Rows& xr, int64_t m0, int64_t k, const uint8_t* codes, c
 template <typename S>
 void q4_rows(const Int8Rows& xr, int64_t m0, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
              int64_t n_out, int64_t t0, int64_t t1) {
-  switch (m_rows) {
-#define Q4_CASE(M) \
-  case M: return q4_tiles<M>(xr, m0, k, codes, sc, y, n_out, t0, t1);
-    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
-#undef Q4_CASE
-  }
+  with_rows(m_rows, [&](auto m) { q4_tiles<decltype(m)::value>(xr, m0, k, codes, sc, y, n_out, t0, t1); });
 }
 #else
 constexpr bool kQ4Vectorized = false;
@@ -291,8 +299,8 @@ void block_sums(const bf16* x, int64_t m_rows, int64_t k, float* sx) {
 
 // Plain loops over the same layout: the exact-x reference arithmetic (also the fallback).
 template <typename S>
-void q4_rows_scalar_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
-                    bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+void q4_rows_scalar_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes,
+                          const S& sc, bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t i = 0; i < kTile && t * kTile + i < n_out; ++i)
@@ -367,27 +375,22 @@ void q4_tile_exact(const bf16* x, const float* sx, int64_t k, const uint8_t* cod
 }
 
 template <int M, typename S>
-void q4_tiles_exact(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y, int64_t n_out,
-              int64_t t0, int64_t t1) {
+void q4_tiles_exact(const bf16* x, const float* sx, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
+                    int64_t n_out, int64_t t0, int64_t t1) {
   constexpr int B = M <= 2 ? 2 : 1;  // keep 2*B*M chains and M accumulators in registers
   for (int64_t t = t0; t < t1; ++t) q4_tile_exact<M, B>(x, sx, k, codes, sc, y, n_out, t);
 }
 
 template <typename S>
-void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
-             int64_t n_out, int64_t t0, int64_t t1) {
-  switch (m_rows) {
-#define Q4_CASE(M) \
-  case M: return q4_tiles_exact<M>(x, sx, k, codes, sc, y, n_out, t0, t1);
-    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
-#undef Q4_CASE
-  }
+void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                   bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
+  with_rows(m_rows, [&](auto m) { q4_tiles_exact<decltype(m)::value>(x, sx, k, codes, sc, y, n_out, t0, t1); });
 }
 #else
 
 template <typename S>
-void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc, bf16* y,
-             int64_t n_out, int64_t t0, int64_t t1) {
+void q4_rows_exact(const bf16* x, const float* sx, int64_t m_rows, int64_t k, const uint8_t* codes, const S& sc,
+                   bf16* y, int64_t n_out, int64_t t0, int64_t t1) {
   q4_rows_scalar_exact(x, sx, m_rows, k, codes, sc, y, n_out, t0, t1);
 }
 #endif
