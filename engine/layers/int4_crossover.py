@@ -67,10 +67,11 @@ REQUIRED_WIN = 0.2
 # bf16's 4-bit loops read x in int8 blocks, twice the products per instruction of the dequantized
 # tiles' bf16 GEMM: on an AVX512-BF16 CPU without AMX the default model's 4-bit projections took
 # 0.61-0.77x the tiles' time at 32-512 rows, and M2 ran 1.09-1.25x faster with them at every row
-# count. (The exact bf16 loops lose to the tiles from a few dozen rows: no such point for them.) An AMX build's tiles
-# hand 64+ rows to oneDNN, several times faster per row, and there the bound stays. Timed hot (a
-# prefill chunk is compute-bound) on the first projections holding PREFILL_WEIGHTS parameters; the
-# quantized side must win by PREFILL_WIN (no decode traffic rides on a prefill chunk's margin).
+# count. The exact bf16 loops lose to the tiles from a few dozen rows: no such point for them. An
+# AMX build's tiles hand 64+ rows to oneDNN, several times faster per row, and there the bound
+# stays. Timed hot (a prefill chunk is compute-bound) on the first projections holding
+# PREFILL_WEIGHTS parameters; the quantized side must win by PREFILL_WIN (no decode traffic rides
+# on a prefill chunk's margin).
 PREFILL_ROWS = 256
 PREFILL_WEIGHTS = 8 << 20
 PREFILL_WIN = 0.05
