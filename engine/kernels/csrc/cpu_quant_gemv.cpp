@@ -143,6 +143,14 @@ void check_x(const torch::Tensor& x, int64_t k, const char* op) {
 constexpr int64_t kTile = asyncllm::q4_scales::kRows;  // rows per tile (one per fp32 lane)
 constexpr int64_t kTileBlock = 256;  // bytes of one tile's 32-weight block (16 rows x 32 codes / 2)
 
+// Weight w (0..31) of row i in one tile block of the layout above: pair j = w / 2 sits in chunk
+// j % 8 at byte 2i + w % 2, in the low nibble for j < 8 and the high one for j >= 8.
+inline int code_at(const uint8_t* block, int64_t i, int64_t w) {
+  const int64_t j = w / 2;
+  const uint8_t byte = block[(j % 8) * 32 + 2 * i + w % 2];
+  return j >= 8 ? byte >> 4 : byte & 15;
+}
+
 #if defined(__AVX512F__)
 inline __m512 half16(const fp16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
@@ -181,12 +189,7 @@ void q4_rows_scalar(const Int8Rows& xr, int64_t m0, int64_t m_rows, int64_t k, c
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* block = codes + (t * nb + b) * kTileBlock;
           int32_t s = 0;
-          for (int64_t w = 0; w < kBlock; ++w) {
-            const int64_t j = w / 2, e = w % 2;
-            const uint8_t byte = block[(j % 8) * 32 + 2 * i + e];
-            const int code = j >= 8 ? byte >> 4 : byte & 15;
-            s += code * xr.q[m * k + b * kBlock + w];
-          }
+          for (int64_t w = 0; w < kBlock; ++w) s += code_at(block, i, w) * xr.q[m * k + b * kBlock + w];
           acc = std::fma(static_cast<float>(s), sc.scale1(t, b, i) * xr.d[m * nb + b], acc);
           acc = std::fma(sc.offset1(t, b, i), xr.s[m * nb + b], acc);
         }
@@ -309,12 +312,8 @@ void q4_rows_scalar_exact(const bf16* x, const float* sx, int64_t m_rows, int64_
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* block = codes + (t * nb + b) * kTileBlock;
           float s = 0.0f;
-          for (int64_t w = 0; w < kBlock; ++w) {
-            const int64_t j = w / 2, e = w % 2;
-            const uint8_t byte = block[(j % 8) * 32 + 2 * i + e];
-            const int code = j >= 8 ? byte >> 4 : byte & 15;
-            s += static_cast<float>(x[m * k + b * kBlock + w]) * static_cast<float>(code);
-          }
+          for (int64_t w = 0; w < kBlock; ++w)
+            s += static_cast<float>(x[m * k + b * kBlock + w]) * static_cast<float>(code_at(block, i, w));
           acc += sc.scale1(t, b, i) * s + sc.offset1(t, b, i) * sx[m * nb + b];
         }
         y[m * n_out + t * kTile + i] = static_cast<bf16>(acc);
