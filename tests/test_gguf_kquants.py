@@ -23,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from engine import SyncScheduler
 from engine.kernels import cpu_extension, cpu_quant
 from engine.layers.fused_decode import FusedDecodeLayers
 from engine.layers.int4 import TiledQ4Weight
@@ -31,6 +32,8 @@ from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4k_blocks, q5_0_blocks, q5k_blocks, q6k_blocks
 from engine.models.loader import resolve_model
+from engine.sampling import SamplingParams
+from tests.fused_checks import check_every_fused_forward
 from tests.test_loader import gguf_name
 from tests.test_model_families import (
     NO_SPECIAL,
@@ -367,3 +370,40 @@ def test_a_bf16_k_m_model_runs_its_blocks(arch, base, tmp_path):
     if cpu_quant.vectorized(torch.bfloat16):
         assert isinstance(runner.model.fused_decode, FusedDecodeLayers)
     assert_bf16_bar(runner, ref, name, vocab=VOCAB, lengths=(4, 37, 12, 60), new_tokens=16)
+
+
+@VECTOR
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_k_m_model_with_bounds_measured_per_kind_runs_fused(dtype, tmp_path, monkeypatch):
+    """With the crossover measured (`q4_max_tokens` unset), the 4-bit layers, the 8-bit ones (Q6_K,
+    and a q|k|v of Q4_K beside Q6_K) and the head get their own row bounds (int4_crossover.py).
+    The fused decode loop takes such a model with each projection's own bound, bit-identical to
+    the Python layers at row counts on both sides of each bound."""
+    if dtype == "bfloat16" and not cpu_quant.vectorized(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 build: a bf16 model runs Q4_K through torch's int4pack")
+    import engine.models.llama as llama
+
+    path = tmp_path / "tiny-llama-q4_k_m.gguf"
+    write_kquant_gguf(path, "llama", LlamaConfig(**SHAPE), Q4_K)
+    bounds = {True: 5, False: 2}  # 4-bit layers, 8-bit layers (the head: 8-bit too)
+    monkeypatch.setattr(
+        llama, "measure_int4_crossover", lambda mods, _dtype: bounds[isinstance(mods[0].packed, TiledQ4Weight)]
+    )
+    runner = ModelRunner(family_args(str(path), dtype=dtype, q4_max_tokens=None))
+    model = runner.model
+    layers = model.layers
+    assert layers[1].self_attn.qkv_proj.max_rows == 5 and layers[0].self_attn.qkv_proj.max_rows == 2  # Q4_K | Q6_K
+    assert layers[0].mlp.down_proj.max_rows == 2 and layers[0].mlp.gate_up_proj.max_rows == 5
+    assert isinstance(model.fused_decode, FusedDecodeLayers)
+    seen = check_every_fused_forward(monkeypatch, model)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 3, 26, 9, 12, 4)]
+    lengths = [3, 14, 6, 10, 2, 8, 5]  # requests leave one by one: decodes of 7 rows down to 1
+    sched = SyncScheduler(runner)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+    sched.run_until_idle(overlap=True)
+    assert [len(r.output_ids) for r in reqs] == lengths
+    decode_rows = {rows for mode, rows in seen if mode == "DECODE"}
+    assert {1, 2, 3, 5, 6} <= decode_rows  # at and past each bound
+    sched.scheduler.check_memory()

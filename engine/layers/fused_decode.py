@@ -205,14 +205,14 @@ class FusedDecodeLayers:
             if None in projections:
                 return None
             forms.append([f for f in projections if f is not None])
-        q4_bounds = {f.q4_rows for layer in forms for f in layer if f.q4_rows is not None}
+        # each projection keeps its module's row bound (a Q4_K_M file's Q4_K and Q6_K tensors
+        # are measured apart, int4_crossover.py); the dense forms' tiling is one for the model
         tiles = {f.tile_rows for layer in forms for f in layer}
         small = {f.small_rows for layer in forms for f in layer if f.has_dense}
-        if len(q4_bounds) > 1 or len(tiles) > 1 or len(small) > 1:
+        if len(tiles) > 1 or len(small) > 1:
             return None
         tile_rows = tiles.pop()
         small_rows = small.pop() if small else 0
-        q4_rows = q4_bounds.pop() if q4_bounds else 0
         native = module.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.softmax_scale)
         hidden = cfg.hidden_size
         for i, (layer, layer_forms) in enumerate(zip(layers, forms)):
@@ -235,7 +235,7 @@ class FusedDecodeLayers:
                 down.out_features,
                 pool.k_buffer[i],
                 pool.v_buffer[i],
-                q4_rows,
+                [f.q4_rows or 0 for f in (qkv, o, gate_up, down)],
                 [qkv.bias, o.bias, gate_up.bias, down.bias],
                 None if qk_norm is None else qk_norm.table,
                 tile_rows,

@@ -223,20 +223,21 @@ DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head
 void DecodeLayers::add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out,
                              std::vector<torch::Tensor> o, int64_t o_out, torch::Tensor post_norm,
                              std::vector<torch::Tensor> gate_up, int64_t gate_up_out, std::vector<torch::Tensor> down,
-                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer, int64_t q4_rows,
-                             std::vector<std::optional<torch::Tensor>> biases, std::optional<torch::Tensor> qk_norm,
-                             int64_t tile_rows, int64_t small_rows) {
-  TORCH_CHECK(biases.size() == 4, "one bias (or None) per projection: q|k|v, o, gate|up, down");
+                             int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
+                             std::vector<int64_t> q4_rows, std::vector<std::optional<torch::Tensor>> biases,
+                             std::optional<torch::Tensor> qk_norm, int64_t tile_rows, int64_t small_rows) {
+  TORCH_CHECK(biases.size() == 4 && q4_rows.size() == 4,
+              "one bias (or None) and one row bound per projection: q|k|v, o, gate|up, down");
   TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "q|k|v rows must match the heads");
   TORCH_CHECK(o_out == down_out && gate_up_out % 2 == 0, "o and down give the hidden size; gate|up is two halves");
   TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == num_kv_heads_ && k_buffer.size(2) == head_dim_ &&
                   v_buffer.sizes() == k_buffer.sizes(),
               "KV buffers [S, KVH, D]");
   layers_.push_back(DecodeLayer{input_norm, post_norm, qk_norm.value_or(torch::Tensor()),
-                                projection(qkv, qkv_out, q4_rows, biases[0], tile_rows, small_rows),
-                                projection(o, o_out, q4_rows, biases[1], tile_rows, small_rows),
-                                projection(gate_up, gate_up_out, q4_rows, biases[2], tile_rows, small_rows),
-                                projection(down, down_out, q4_rows, biases[3], tile_rows, small_rows), k_buffer,
+                                projection(qkv, qkv_out, q4_rows[0], biases[0], tile_rows, small_rows),
+                                projection(o, o_out, q4_rows[1], biases[1], tile_rows, small_rows),
+                                projection(gate_up, gate_up_out, q4_rows[2], biases[2], tile_rows, small_rows),
+                                projection(down, down_out, q4_rows[3], biases[3], tile_rows, small_rows), k_buffer,
                                 v_buffer});
 }
 

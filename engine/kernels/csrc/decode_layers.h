@@ -93,14 +93,15 @@ class DecodeLayers {
   // Each projection's parts: (codes uint8, scales, offsets) for a 4-bit form, (codes int8,
   // scales) for a Q8_0 one, (codes int8, scales int8, d) for a Q6_K one or (codes int8, sc|m
   // uint8, d|dmin) for a Q5_K one, then the prepacked dense weight if it has one (so 1, 2, 3 or 4
-  // tensors); q4_rows bounds the quantized form's inputs.
+  // tensors); q4_rows: each projection's bound on its quantized form's inputs (a Q4_K_M file's
+  // Q4_K and Q6_K tensors have their own, as their modules do).
   // biases: one per projection (q|k|v, o, gate|up, down), None where it has none; qk_norm: the
   // layer's q/k norm table, or None; tile_rows: every dense projection's row tile (0: none);
   // small_rows: an fp32 dense weight's row bound for gemv_f32 (DenseLinear.small_rows).
   void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, int64_t qkv_out, std::vector<torch::Tensor> o,
                  int64_t o_out, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up, int64_t gate_up_out,
                  std::vector<torch::Tensor> down, int64_t down_out, torch::Tensor k_buffer, torch::Tensor v_buffer,
-                 int64_t q4_rows, std::vector<std::optional<torch::Tensor>> biases,
+                 std::vector<int64_t> q4_rows, std::vector<std::optional<torch::Tensor>> biases,
                  std::optional<torch::Tensor> qk_norm, int64_t tile_rows, int64_t small_rows);
   // x: the residual stream [T, hidden], bf16 (updated in place and returned) or fp32 (a new
   // tensor: fp32 runs the Python layers' torch ops for the elementwise steps); cos/sin [T, D];
