@@ -42,7 +42,11 @@ EVENT_LOOP_S_PER_TOKEN = 0.002
 # one-row passes of 10.6 ms on one thread and 6.3 ms on two ran single stream at 42 and 62-65
 # tok/s; with its dense fp32 weights 20.7 vs 12.0 ms, 27 vs 33 tok/s.
 PYTHON_STEP_MARGIN = 0.1
-REPEATS = 3
+# Timed passes of each count (the minimum kept). A 128-expert Q4_K_M MoE model saves ~2.5-3 ms a
+# one-row pass with every core, near one stream's EVENT_LOOP_S_PER_TOKEN: with 3 passes its start-up
+# choice went to one fewer core for a lone stream in one of eight starts seen (86 against ~140
+# tok/s single stream); 8 passes take ~0.1 s more on it.
+REPEATS = 8
 BUDGET_S = 2.0  # fewer repeats for a model whose one-row pass is slow
 
 
