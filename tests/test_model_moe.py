@@ -12,6 +12,8 @@
 - The grouped experts (tokens sorted by expert, one GEMM pair per expert) and the C++ experts equal
   a per-token loop (fp32), and the C++ experts are as close to an fp32 reference as the grouped path
   (bf16 and fp32).
+- bf16: the C++ router's loop (a few rows) is within one bf16 rounding of the fp64 product and
+  batch-independent; more rows take the prepacked oneDNN product, exactly.
 - A checkpoint missing an expert is a ModelLoadError naming it; LoRA on a MoE model is refused at
   start-up; `update_weights_from_tensor` takes expert tensors (per-expert checkpoint names).
 """
@@ -160,6 +162,41 @@ def test_cpu_kernel_matches_the_grouped_path(hidden, inter, tokens, fp32_weights
     torch.testing.assert_close(low + high, got, atol=1.5 * slack * scale, rtol=0.0)
     none = moe.kernel.moe_experts(x, moe.w13[:4], moe.w2[:4], ids + 8, weights.float())
     assert not none.any()
+
+
+@pytest.mark.parametrize("hidden", [1024, 256, 200])
+def test_the_cpu_router_takes_a_few_bf16_rows_and_the_packed_form_above(hidden):
+    """bf16 with oneDNN's prepacked router: FusedMoE.route's logits come from the C++ router
+    (cpu_moe_router.cpp), the fused decode loop's too. Up to 4 rows (a hidden size in 64s) its own
+    loop: within one bf16 rounding of the fp64 product, each row the same alone as in a batch;
+    5 rows, or 200 columns, the prepacked oneDNN product, exactly; fp32, F.linear."""
+    moe = FusedMoE(hidden, 128, 8, 64, "silu", True, False, TPGroup.single(), torch.device("cpu"), torch.bfloat16)
+    module = cpu_extension.load()
+    if module is None or not hasattr(module, "moe_router_logits"):
+        pytest.skip("the CPU kernels did not build here")
+    torch.manual_seed(7)
+    moe.gate.data.normal_(0, 0.05)
+    moe.pack_router()
+    if moe.router_packed is None:
+        pytest.skip("no oneDNN bf16 here: the router stays F.linear")
+    x = torch.randn(5, hidden).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, moe.router_packed, None, "none", [None], "")
+    for rows in (1, 2, 4, 5):
+        got = module.moe_router_logits(x[:rows], moe.gate, moe.router_packed)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 128)
+        if rows == 5 or hidden % 64:
+            assert torch.equal(got, onednn[:rows])
+            continue
+        ref = x[:rows].double() @ moe.gate.double().t()
+        # fp32 sums rounded to bf16 once: half a bf16 step of the result, plus the sums' own error
+        assert torch.all((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-6)
+        assert torch.equal(got[:1], module.moe_router_logits(x[:1], moe.gate, moe.router_packed))
+    weights, ids = moe.route(x[:3])
+    probs = torch.softmax(module.moe_router_logits(x[:3], moe.gate, moe.router_packed), -1, dtype=torch.float32)
+    top, want = torch.topk(probs, 8, -1)
+    assert torch.equal(ids, want) and torch.equal(weights, (top / top.sum(-1, keepdim=True)).bfloat16())
+    f32, gate32 = torch.randn(3, hidden), moe.gate.float()
+    assert torch.equal(module.moe_router_logits(f32, gate32, None), torch.nn.functional.linear(f32, gate32))
 
 
 def _copy_without(folder: str, dest, drop: str) -> None:

@@ -45,6 +45,7 @@ SOURCES = (
     "cpu_decode_f32_ops.cpp",
     "cpu_lora.cpp",
     "cpu_moe.cpp",
+    "cpu_moe_router.cpp",
     "bindings.cpp",
 )
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

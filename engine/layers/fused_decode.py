@@ -242,11 +242,10 @@ class FusedDecodeLayers:
                 small_rows,
             )
             if moe is not None:
-                packed = moe.router_packed is not None
-                router = moe.router_packed if packed else moe.gate
                 experts = moe.quant.native if moe.quant is not None else None
                 stacks = (None, None) if experts is not None else (moe.w13, moe.w2)
-                native.set_moe(i, router, packed, experts, *stacks, moe.top_k, moe.renormalize, moe.fp32_weights)
+                options = (moe.top_k, moe.renormalize, moe.fp32_weights)
+                native.set_moe(i, moe.gate, moe.router_packed, experts, *stacks, *options)
             for j, form in enumerate((qkv, o, gate_up, down)):
                 if form.pieces:
                     tensors, widths = zip(*form.pieces)

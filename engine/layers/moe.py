@@ -107,6 +107,9 @@ class FusedMoE(nn.Module):
         # reorders it on every call: a decode row's product took 2.3x as long, for the same bits
         self.router_packed: torch.Tensor | None = None
         self._pack_router = device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_available()
+        # with it, the C++ router (cpu_moe_router.cpp: a few rows through its own loop, more
+        # through the prepacked form), which the fused decode loop calls too
+        self._router_logits = getattr(module, "moe_router_logits", None)
 
     @property
     def in_features(self) -> int:
@@ -198,6 +201,8 @@ class FusedMoE(nn.Module):
         """Each token's routing weights and expert ids, `[T, top_k]` each (transformers' router)."""
         if self.router_packed is None:
             logits = F.linear(x, self.gate)
+        elif self._router_logits is not None:
+            logits = self._router_logits(x, self.gate, self.router_packed)
         else:
             logits = torch.ops.mkldnn._linear_pointwise(x, self.router_packed, None, "none", [None], "")
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

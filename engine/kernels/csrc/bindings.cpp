@@ -80,6 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_f32", &gemv_f32, "fp32 x [M <= 8, K] @ W.T (+ b), W streamed once (engine/kernels/cpu_gemv.py)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("q8_lanes_pack", &q8_lanes_pack, "int8 codes of an 8-bit kind (0 Q8_0, 1 Q6_K, 2 Q5_K) in lane order");
+  m.def("moe_router_logits", &asyncllm::moe_router_logits,
+        "a MoE router's logits x @ gate.T: a few bf16 rows through its own loop, more through the prepacked form",
+        py::arg("x"), py::arg("gate"), py::arg("packed"), py::call_guard<py::gil_scoped_release>());
   m.def("q8_blocks_gemv", &q8_blocks_gemv,
         "x [M, K] @ W.T, W in 8-bit blocks: lane order (uint8 codes, bf16 x) or natural (int8 codes, fp32 loops)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("supers"), py::arg("vectorized"),

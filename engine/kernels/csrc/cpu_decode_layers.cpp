@@ -61,6 +61,18 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
 
 namespace asyncllm {
 
+// (decode_layers.h)
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  c10::List<std::optional<at::Scalar>> scalars;
+  scalars.push_back(std::nullopt);
+  torch::jit::Stack stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"), scalars,
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 namespace {
 
 Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_features, int64_t q4_rows,
@@ -89,18 +101,6 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   return p;
 }
 
-// mkldnn::_linear_pointwise on a prepacked weight (and its bias) with no fused op: the call
-// OneDNNLinear.forward makes, through the dispatcher, so both paths run the same kernel.
-torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  c10::List<std::optional<at::Scalar>> scalars;
-  scalars.push_back(std::nullopt);
-  torch::jit::Stack stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"), scalars,
-                          std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
 
 // BatchInvariantLinear.forward (deterministic inference): the dense weight on whole tiles of
 // `tile_rows` rows, the last one zero-padded, so a row's result does not depend on the batch.
@@ -182,7 +182,8 @@ torch::Tensor torch_silu_mul(const torch::Tensor& gate_up) {
 // logits in the model dtype, softmax in fp32, top-k, divided by their sum when renormalizing, the
 // weights in the model dtype unless fp32_weights), then the experts (cpu_moe_quant.cpp).
 torch::Tensor moe_mlp(const torch::Tensor& x, const DecodeLayer& l) {
-  const torch::Tensor logits = l.router_packed ? dense_linear(x, l.router, torch::Tensor()) : at::linear(x, l.router);
+  const torch::Tensor logits =
+      moe_router_logits(x, l.router, l.router_packed.defined() ? std::optional(l.router_packed) : std::nullopt);
   const torch::Tensor probs = at::softmax(logits, -1, torch::kFloat);
   auto [weights, ids] = at::topk(probs, l.top_k, -1);
   if (l.renormalize) weights = weights / weights.sum(-1, true);
@@ -249,14 +250,14 @@ void DecodeLayers::set_pieces(int64_t layer, int64_t which, std::vector<std::vec
                         q4_rows);
 }
 
-void DecodeLayers::set_moe(int64_t layer, torch::Tensor router, bool router_packed,
+void DecodeLayers::set_moe(int64_t layer, torch::Tensor router, std::optional<torch::Tensor> router_packed,
                            std::shared_ptr<QuantExperts> experts, std::optional<torch::Tensor> w13,
                            std::optional<torch::Tensor> w2, int64_t top_k, bool renormalize, bool fp32_weights) {
   TORCH_CHECK(0 <= layer && layer < num_layers(), "MoE: layer");
   TORCH_CHECK((experts != nullptr) != (w13.has_value() && w2.has_value()), "MoE: experts in blocks or dense stacks");
   const int64_t count = experts ? experts->num_experts() : w13->size(0);
   TORCH_CHECK(experts || (w13->dim() == 3 && w2->dim() == 3 && w2->size(0) == count), "MoE: w13 [E, 2I, H], w2 [E, H, I]");
-  TORCH_CHECK(router_packed || (router.dim() == 2 && router.size(0) == count), "MoE: router [E, hidden]");
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == count, "MoE: router [E, hidden]");
   TORCH_CHECK(0 < top_k && top_k <= count, "MoE: 0 < top_k <= E");
   DecodeLayer& l = layers_[layer];
   TORCH_CHECK(!l.gate_up.codes.defined() && !l.gate_up.dense.defined() && l.gate_up.pieces.empty(),
@@ -267,7 +268,7 @@ void DecodeLayers::set_moe(int64_t layer, torch::Tensor router, bool router_pack
     l.experts_w2 = *w2;
   }
   l.router = router;
-  l.router_packed = router_packed;
+  l.router_packed = router_packed.value_or(torch::Tensor());
   l.top_k = top_k;
   l.renormalize = renormalize;
   l.fp32_weights = fp32_weights;

@@ -42,6 +42,13 @@ void set_projection_pieces(Projection& p, const std::vector<std::vector<torch::T
                            const std::vector<int64_t>& piece_out, int64_t q4_rows);
 // y = x @ W.T (+ bias) through the form QuantLinear (or the dense layer) runs for x's row count.
 torch::Tensor project_rows(const torch::Tensor& x, const Projection& w);
+// mkldnn::_linear_pointwise on a prepacked weight (and its bias, undefined: none) with no fused
+// op: the call OneDNNLinear.forward makes, through the dispatcher, so both paths run one kernel.
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
+// A MoE router's logits x @ gate.T (cpu_moe_router.cpp): a few bf16 rows through its own loop,
+// more through `packed` (oneDNN's form of gate); without one, at::linear.
+torch::Tensor moe_router_logits(const torch::Tensor& x, const torch::Tensor& gate,
+                                const std::optional<torch::Tensor>& packed);
 
 // One projection's multi-LoRA buffers (engine/lora/pool.py LoRAWeights, the C++ path's form):
 // A as bf16 pairs [slots, in/2, ranks, 2] and the block-diagonal Bt as [slots, ranks/2, out, 2]
@@ -67,9 +74,10 @@ struct DecodeLayer {
   // neither: a dense MLP.
   std::shared_ptr<const QuantExperts> experts;
   torch::Tensor experts_w13, experts_w2;
-  torch::Tensor router;  // prepacked for oneDNN when router_packed (FusedMoE.router_packed)
+  torch::Tensor router;         // [E, H], FusedMoE.gate
+  torch::Tensor router_packed;  // oneDNN's form of it (FusedMoE.router_packed); undefined: none
   int64_t top_k = 0;
-  bool router_packed = false, renormalize = false, fp32_weights = false;
+  bool renormalize = false, fp32_weights = false;
 };
 
 // A LoRAProjection over the pool's buffers, their dtypes and shapes checked.
@@ -123,9 +131,10 @@ class DecodeLayers {
   void set_lora(int64_t layer, int64_t projection, torch::Tensor a, torch::Tensor bt, torch::Tensor scaling,
                 std::vector<int64_t> part_sizes, int64_t rank);
   // `layer`'s MLP is a mixture of experts (added with empty gate|up and down): the router's
-  // weight (`router_packed`: oneDNN's prepacked form), the experts in blocks or (None) the dense
+  // weight and (or None) its oneDNN-prepacked form, the experts in blocks or (None) the dense
   // stacks w13 and w2, FusedMoE.route's top_k, renormalize and fp32_weights.
-  void set_moe(int64_t layer, torch::Tensor router, bool router_packed, std::shared_ptr<QuantExperts> experts,
+  void set_moe(int64_t layer, torch::Tensor router, std::optional<torch::Tensor> router_packed,
+               std::shared_ptr<QuantExperts> experts,
                std::optional<torch::Tensor> w13, std::optional<torch::Tensor> w2, int64_t top_k, bool renormalize,
                bool fp32_weights);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
