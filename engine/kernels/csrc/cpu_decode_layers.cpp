@@ -61,7 +61,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
 
 namespace asyncllm {
 
-// (decode_layers.h)
+// See decode_layers.h.
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -100,7 +100,6 @@ Projection projection(const std::vector<torch::Tensor>& parts, int64_t out_featu
   TORCH_CHECK(tile_rows == 0 || p.dense.defined(), "row tiles take a dense weight");
   return p;
 }
-
 
 // BatchInvariantLinear.forward (deterministic inference): the dense weight on whole tiles of
 // `tile_rows` rows, the last one zero-padded, so a row's result does not depend on the batch.
