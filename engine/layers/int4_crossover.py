@@ -99,10 +99,15 @@ def last_level_cache_bytes() -> int:
 def cold_cache_prefix(linears: Sequence[Q], quantized: Callable[[Q], Any] = lambda m: m.packed) -> list[Q]:
     """The first projections whose quantized forms (the smaller side) reach twice the last-level
     cache (or all): then neither side's weights stay cached between passes."""
-    target, total, chosen = 2 * last_level_cache_bytes(), 0, []
+    return _prefix(linears, lambda m: quantized(m).nbytes, 2 * last_level_cache_bytes())
+
+
+def _prefix(linears: Sequence[Q], size: Callable[[Q], int], target: int) -> list[Q]:
+    """The first of `linears` whose sizes add up to `target` (or all of them)."""
+    total, chosen = 0, []
     for linear in linears:
         chosen.append(linear)
-        total += quantized(linear).nbytes
+        total += size(linear)
         if total >= target:
             break
     return chosen
@@ -201,12 +206,7 @@ def bound_text(rows: int) -> str:
 
 def _wins_at_prefill(linears: Sequence[QuantLinear], dtype: torch.dtype, gen: torch.Generator) -> bool:
     """Whether the quantized kernel beats the fallback form by PREFILL_WIN on PREFILL_ROWS rows."""
-    chosen, total = [], 0
-    for m in linears:
-        chosen.append(m)
-        total += m.out_features * m.in_features
-        if total >= PREFILL_WEIGHTS:
-            break
+    chosen = _prefix(linears, lambda m: m.out_features * m.in_features, PREFILL_WEIGHTS)
     inputs = {k: torch.randn(PREFILL_ROWS, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
     xs = [inputs[m.in_features] for m in chosen]
     t_quant, t_big = _best_times(([m.packed.matmul for m in chosen], xs), ([m.big for m in chosen], xs), None)
