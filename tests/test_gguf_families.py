@@ -213,9 +213,18 @@ PHI3 = {  # variant -> (config, weight init), Phi-3 shapes from test_model_famil
 }
 
 
-def write_phi3_gguf(path, model) -> None:
+def q8_qkv(gguf_name: str, data: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """The fused q|k|v quantized (read dequantized), every other tensor as it is."""
+    if data.ndim == 2 and gguf_name.endswith("attn_qkv.weight"):
+        return gguf.quants.quantize(data, Q8), Q8
+    return data, None
+
+
+def write_phi3_gguf(path, model, encode=q8_qkv) -> None:
     """`model` as llama.cpp's converter writes a Phi-3: the rotary's width as
-    `rope.dimension_count`, longrope's factors as the tensors `rope_factors_long/short`."""
+    `rope.dimension_count`, longrope's factors as the tensors `rope_factors_long/short`; `encode`
+    (GGUF name, values) -> (what the file holds, its quantized type or None) chooses each
+    matrix's storage."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters
@@ -241,14 +250,13 @@ def write_phi3_gguf(path, model) -> None:
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
+        stored, qtype = encode("output.weight", sd["lm_head.weight"])
+        w.add_tensor("output.weight", stored, raw_dtype=qtype)
     for i in range(cfg.num_hidden_layers):
         for hf, name in PHI3_LAYER.items():
-            data = sd[f"model.layers.{i}.{hf}"]
-            if data.ndim == 2 and name == "attn_qkv":  # a quantized fused tensor, read dequantized
-                w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(data, Q8), raw_dtype=Q8)
-            else:
-                w.add_tensor(f"blk.{i}.{name}.weight", data)
+            gguf_name = f"blk.{i}.{name}.weight"
+            stored, qtype = encode(gguf_name, sd[f"model.layers.{i}.{hf}"])
+            w.add_tensor(gguf_name, stored, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

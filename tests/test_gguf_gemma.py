@@ -58,8 +58,17 @@ ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
-def write_gemma_gguf(path: Path, model) -> None:
-    """`model` as llama.cpp's converter writes a Gemma 2 / Gemma 3 (see the module doc)."""
+def q8_attn_q(gguf_name: str, data: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """One quantized projection per layer (q), read dequantized; every other tensor as it is."""
+    if gguf_name.endswith("attn_q.weight"):
+        return gguf.quants.quantize(data, Q8), Q8
+    return np.ascontiguousarray(data), None
+
+
+def write_gemma_gguf(path: Path, model, encode=q8_attn_q) -> None:
+    """`model` as llama.cpp's converter writes a Gemma 2 / Gemma 3 (see the module doc); `encode`
+    (GGUF name, values) -> (what the file holds, its quantized type or None) chooses each tensor's
+    storage."""
     cfg = model.config
     arch = ARCH[cfg.model_type]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -90,10 +99,8 @@ def write_gemma_gguf(path: Path, model) -> None:
             continue
         data = tensor.numpy() + (1 if name.endswith("norm.weight") else 0)
         gguf_name = names.get_name(name.removesuffix(".weight")) + ".weight"
-        if gguf_name.endswith("attn_q.weight"):  # a quantized projection, read dequantized
-            w.add_tensor(gguf_name, gguf.quants.quantize(data, Q8), raw_dtype=Q8)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(data))
+        stored, qtype = encode(gguf_name, data)
+        w.add_tensor(gguf_name, stored, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -43,9 +43,7 @@ def llama_layout(weights: Iterable[WeightItem], cfg: ModelConfig, shard: TPShard
         if not name.startswith("model.layers.") or len(parts) < 4:
             yield name, tensor, blocks
         elif cfg.fused_checkpoint and local in _FUSED:
-            if blocks is not None:
-                raise ModelLoadError(f"quantized blocks for the fused tensor {name} are not supported")
-            yield from _split(name, tensor, prefix, local, kind, cfg, shard)
+            yield from _split(name, tensor, blocks, prefix, local, kind, cfg, shard)
         elif whole_norm and local in ("self_attn.q_norm", "self_attn.k_norm") and kind == "weight":
             first, rows = q_rows if local == "self_attn.q_norm" else kv_rows
             yield name, tensor.narrow(0, first, rows), blocks
@@ -56,19 +54,32 @@ def llama_layout(weights: Iterable[WeightItem], cfg: ModelConfig, shard: TPShard
 
 
 def _split(
-    name: str, tensor: torch.Tensor, prefix: str, local: str, kind: str, cfg: ModelConfig, shard: TPShard
+    name: str,
+    tensor: torch.Tensor,
+    blocks: Q4Blocks | Q8Blocks | None,
+    prefix: str,
+    local: str,
+    kind: str,
+    cfg: ModelConfig,
+    shard: TPShard,
 ) -> Iterator[WeightItem]:
+    """The parts of a fused tensor, each with its rows of the tensor's blocks: a block never spans
+    two rows, so a part's blocks are the whole tensor's, cut where its rows are (the parts then
+    fuse back into the one projection they came from, in blocks only)."""
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     sizes = (q, kv, kv) if local == "self_attn.qkv_proj" else (inter, inter)
     if tensor.shape[0] != sum(sizes):
         raise ModelLoadError(f"weight {name} has {tensor.shape[0]} rows, expected {sum(sizes)} ({sizes})")
-    for part_module, part in zip(_FUSED[local], tensor.split(sizes, dim=0)):
+    first = 0
+    for part_module, part, rows in zip(_FUSED[local], tensor.split(sizes, dim=0), sizes):
         part_name = f"{prefix}.{part_module}.{kind}"
+        part_blocks = None if blocks is None else blocks.map_rows(lambda t, a=first, n=rows: t.narrow(0, a, n))
+        first += rows
         select = shard.weight_slice(part_name)
-        if select is not None:
+        if select is not None:  # a rank's slice: no blocks (blocks run on one rank only)
             dim, start, stop = select
-            part = part.narrow(dim, start, stop - start)
-        yield part_name, part, None
+            part, part_blocks = part.narrow(dim, start, stop - start), None
+        yield part_name, part, part_blocks
 
 
 def _mixtral_renamed(local: str) -> str:

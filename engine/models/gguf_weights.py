@@ -76,8 +76,6 @@ _NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 # Tensors llama.cpp stores that are not model parameters (RoPE tables it can recompute; Phi-3's
 # longrope factors, which go into the config: gguf_config._complete_phi3).
 _NON_PARAMETERS = {"rope_freqs", "attn_rot_embd", "rope_factors_long", "rope_factors_short"}
-# Architectures whose 4-bit layer blocks the quantized kernels take (no fused checkpoint tensors).
-_Q4_ARCHS = {"llama", "qwen2", "qwen3", "qwen3moe"}
 # GGUF architectures whose q/k projections llama.cpp's converter permuted (rotary-pair layout).
 _PERMUTED_ARCHS = {"llama"}
 
@@ -339,8 +337,7 @@ def iter_gguf_tensors(
                     continue
                 blocks = _read_bytes(f, info)
                 tensor = _dequantize(blocks, info)
-                kept = with_q4 and index.architecture in _Q4_ARCHS
-                q4 = blocks_of(blocks, info.qtype, info.shape, hf_name) if kept else None
+                q4 = blocks_of(blocks, info.qtype, info.shape, hf_name) if with_q4 else None
                 heads = None
                 if unpermute and ".self_attn.q_proj." in hf_name:
                     heads = num_heads
@@ -357,7 +354,7 @@ def iter_gguf_tensors(
             except (ValueError, OSError) as e:
                 raise ModelLoadError(f"GGUF file {path}: {e}") from e
             if f".experts.{EXPERTS}." in hf_name:  # one tensor per expert, each with its blocks
-                per_expert = blocks.reshape(tensor.shape[0], -1) if kept else None
+                per_expert = blocks.reshape(tensor.shape[0], -1) if with_q4 else None
                 shape = tuple(tensor.shape[1:])
                 for e in range(tensor.shape[0]):
                     name = hf_name.replace(f".{EXPERTS}.", f".{e}.")
