@@ -42,6 +42,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
         dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True),
     ),
+    # Gemma 2's layer (sandwich norms, GeGLU, soft-caps, local/global windows) at its 2B size
+    "gemma-2-2b": (
+        "gemma2",
+        dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+             attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+             tie_word_embeddings=True),
+    ),
     # A small MoE of realistic layout (Qwen3-MoE's: 128 experts, 8 routed, narrow experts) at a
     # size that fits a laptop: ~1.6B parameters, ~0.4B active per token.
     "qwen3-moe-small": (
