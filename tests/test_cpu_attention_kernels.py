@@ -1,9 +1,9 @@
 """The C++ CPU attention kernels (engine/kernels/csrc/cpu_attention.cpp): decode and extend.
 
 Checked against a plain per-request softmax attention in fp64 on the same values: outputs (and
-decode's log-sum-exps), fp32 and bf16, head sizes 64 and 128, grouped-query ratios 1/3/4, lengths
+decode's log-sum-exps), fp32 and bf16, head sizes 64, 128 and 256, grouped-query ratios 1-8, lengths
 from 1 to past several 16-token blocks, extends with and without a cached prefix, slots scattered
-over the pool. Bad inputs raise, never crash.
+over the pool; Gemma 2's soft-capped scores. Bad inputs raise, never crash.
 The kernel is built by the test session if it is not cached (the engine does the same at its
 first decode); a machine that cannot build it fails here loudly rather than silently running the
 torch path.
@@ -23,22 +23,28 @@ def built():
     assert kernel.load() is not None, "the CPU decode-attention kernel did not build (see the log)"
 
 
-def _reference(q, kb, vb, slots, lens, scale):
+def _capped(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return s if softcap is None else torch.tanh(s / softcap) * softcap  # transformers' Gemma 2 order
+
+
+def _reference(q, kb, vb, slots, lens, scale, softcap=None):
     outs, lses = [], []
     g = q.shape[1] // kb.shape[1]
     for b in range(q.shape[0]):
         n = int(lens[b])
         k = kb[slots[b, :n]].double().repeat_interleave(g, 1)  # [n, H, D]
         v = vb[slots[b, :n]].double().repeat_interleave(g, 1)
-        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        s = _capped(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, softcap)
         outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
         lses.append(s.logsumexp(-1))
     return torch.stack(outs), torch.stack(lses)
 
 
 # Grouped-query ratios 1, 2, 3, 4, 5, 7 and 8: the bf16 kernels tile query heads by 4 (scores) and
-# by 4 or 2 (P @ V), so these cover every remainder.
-HEAD_SHAPES = [(4, 4, 64), (12, 6, 64), (9, 3, 64), (8, 2, 128), (10, 2, 128), (14, 2, 64), (16, 2, 64)]
+# by 4 or 2 (P @ V), so these cover every remainder. Heads of 256: Gemma 2 2B's 8 on 4 KV heads.
+HEAD_SHAPES = [
+    (4, 4, 64), (12, 6, 64), (9, 3, 64), (8, 2, 128), (10, 2, 128), (14, 2, 64), (16, 2, 64), (8, 4, 256), (3, 1, 256)
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,14 +70,14 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(out[0].float(), vb[slots[0, 0]].float().repeat_interleave(g, 0), atol=tol, rtol=tol)
 
 
-def _extend_reference(q, kb, vb, slots, prefix, ext, scale):
+def _extend_reference(q, kb, vb, slots, prefix, ext, scale, softcap=None):
     outs, start = [], 0
     g = q.shape[1] // kb.shape[1]
     for r in range(len(ext)):
         p, e = int(prefix[r]), int(ext[r])
         k = kb[slots[r, : p + e]].double().repeat_interleave(g, 1)
         v = vb[slots[r, : p + e]].double().repeat_interleave(g, 1)
-        s = torch.einsum("thd,nhd->htn", q[start : start + e].double(), k) * scale
+        s = _capped(torch.einsum("thd,nhd->htn", q[start : start + e].double(), k) * scale, softcap)
         causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
         s = s.masked_fill(~causal, float("-inf"))
         outs.append(torch.einsum("htn,nhd->thd", s.softmax(-1), v))
@@ -103,6 +109,41 @@ def test_extend_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     last = torch.cumsum(ext, 0) - 1
     dec, _ = kernel.decode_attention(q[last].contiguous(), kb, vb, slots, prefix + ext, scale)
     torch.testing.assert_close(out[last].float(), dec.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 4, 256)])
+@pytest.mark.parametrize("softcap", [50.0, 2.0])
+def test_soft_capped_scores_match_reference(dtype, heads, kv_heads, head_dim, softcap):
+    """Gemma 2's cap on every scaled score, before the mask: 50 as the released models (scores here
+    reach ~+-20: tanh's polynomial and exponential branches both run) and a tight 2 that flattens
+    most scores. Decode, a grouped decode (a verify's positions on one row) and extend."""
+    gen = torch.Generator().manual_seed(head_dim + int(softcap))
+    pool = 3000
+    kb = (torch.randn(pool, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    lens = torch.tensor([1, 17, 200, 129], dtype=torch.int64)
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:210] for _ in lens])
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
+    out, lse = kernel.decode_attention(q, kb, vb, slots, lens, scale, softcap=softcap)
+    ref, ref_lse = _reference(q, kb, vb, slots, lens, scale, softcap)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    uncapped, _ = kernel.decode_attention(q, kb, vb, slots, lens, scale)
+    assert not torch.allclose(out.float(), uncapped.float(), atol=tol, rtol=tol)  # the cap bites
+    starts, per_query = torch.tensor([0, 2, 4]), torch.tensor([16, 17, 150, 199])  # two rows, two queries each
+    grouped, _ = kernel.decode_attention(q, kb, vb, slots[:2].contiguous(), per_query, scale, starts, softcap)
+    rows = slots[[0, 0, 1, 1]].contiguous()
+    alone, _ = kernel.decode_attention(q, kb, vb, rows, per_query, scale, softcap=softcap)
+    assert torch.equal(grouped, alone)
+    prefix = torch.tensor([0, 100, 37], dtype=torch.int64)
+    ext = torch.tensor([70, 33, 1], dtype=torch.int64)
+    eq = (torch.randn(int(ext.sum()), heads, head_dim, generator=gen) * 3).to(dtype)
+    got = kernel.extend_attention(eq, kb, vb, slots[:3].contiguous(), prefix, ext, scale, softcap=softcap)
+    want = _extend_reference(eq, kb, vb, slots[:3], prefix, ext, scale, softcap)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -277,6 +318,7 @@ def test_supports_and_switch(monkeypatch):
     assert kernel.supports(cpu, torch.float32, 64)
     assert not kernel.supports(cpu, torch.float16, 64)
     assert not kernel.supports(cpu, torch.float32, 96)
+    assert kernel.supports(cpu, torch.bfloat16, 256)  # Gemma's heads
     monkeypatch.setenv("ASYNCLLM_CPU_KERNELS", "0")
     assert not cpu_extension.enabled()
 

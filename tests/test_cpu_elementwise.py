@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_elementwise as fused
-from engine.layers.norm import rms_norm
+from engine.layers.norm import rms_norm, rms_norm_unit_offset
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,6 +69,51 @@ def test_silu_mul_matches_torch(rows):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("rows,width", [(1, 64), (7, 2304), (300, 576)])
+def test_gemma_norm_matches_its_torch_form(rows, width):
+    """Gemma's (1 + w) RMSNorm: the scale in fp32 before the one rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    w = (torch.rand(width, generator=gen) - 0.5).bfloat16()  # offsets from 1
+    _close(fused.rms_norm_unit_offset(x, w, 1e-6), rms_norm_unit_offset(x, w, 1e-6))
+
+
+def test_gemma_sandwich_step_sums_in_place_then_normalises():
+    """x += post_norm(y) in place (the norm rounded to bf16, then the sum: torch's two ops), then
+    the next norm of the sum; without a next weight, x itself comes back."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(40, 2304, generator=gen) * 2).bfloat16()
+    y = (torch.randn(40, 2304, generator=gen) * 5).bfloat16()
+    w_post, w_next = ((torch.rand(2304, generator=gen) - 0.5).bfloat16() for _ in range(2))
+    normed_y = fused.rms_norm_unit_offset(y, w_post, 1e-6)
+    summed = x + normed_y
+    before = x.data_ptr()
+    out = fused.add_unit_norm_(x, y, w_post, w_next, 1e-6)
+    assert x.data_ptr() == before and torch.equal(x, summed)
+    assert torch.equal(out, fused.rms_norm_unit_offset(summed, w_next, 1e-6))
+    _close(out, rms_norm_unit_offset(summed, w_next, 1e-6))
+    again = fused.add_unit_norm_(x, y, w_post, None, 1e-6)
+    assert again.data_ptr() == before and torch.equal(x, summed + normed_y)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 129])
+def test_gelu_tanh_mul_matches_torch(rows):
+    """Gemma's GeGLU, gelu(gate, approximate="tanh") * up, across tanh's two branches and its tails."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate_up[0, :10] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 0.5, -0.5, 1.1, -1.1]).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = fused.gelu_tanh_mul(gate_up)
+    # torch's op order (gelu rounded to bf16, then the product) on the function itself, as
+    # g * sigmoid(2y) = 0.5 g (1 + tanh(y)) in fp64: torch's own fp32 form (and fp64's, further
+    # out) loses every digit of 1 + tanh(y) for gate below ~-4 (results under ~1e-6)
+    g = gate.double()
+    exact = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))
+    _close(out, exact.bfloat16() * up)
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, atol=1e-5, rtol=1e-2)
+    assert torch.isfinite(out).all()
+
+
 def test_bad_inputs_raise_not_crash():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
@@ -81,6 +126,16 @@ def test_bad_inputs_raise_not_crash():
     for xx, ww in bad_norms:
         with pytest.raises(RuntimeError):
             fused.rms_norm(xx, ww, 1e-6)
+        with pytest.raises(RuntimeError):
+            fused.rms_norm_unit_offset(xx, ww, 1e-6)
+        with pytest.raises(RuntimeError):  # as the post-norm's weight, or as the next norm's
+            fused.add_unit_norm_(xx.clone(), xx, ww, None, 1e-6)
+        with pytest.raises(RuntimeError):
+            fused.add_unit_norm_(xx.clone(), xx, ww if xx is not x else w, ww, 1e-6)
+    with pytest.raises(RuntimeError):
+        fused.add_unit_norm_(x, torch.zeros(3, 64, dtype=torch.bfloat16), w, None, 1e-6)
+    with pytest.raises(RuntimeError):
+        fused.gelu_tanh_mul(torch.zeros(2, 48, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):
         fused.add_rms_norm_(x, torch.zeros(3, 64, dtype=torch.bfloat16), w, 1e-6)
     with pytest.raises(RuntimeError):

@@ -69,6 +69,22 @@ FAMILIES = {
         GEMMA_INIT,
         "auto",
     ),
+    # Gemma's own head size on the C++ kernels: the soft-cap inside them, a bound window's decode
+    # over its slots (attention_window.WindowPlan), extends past it in torch
+    "gemma2-hd256-softcaps-cpu": (
+        lambda: Gemma2Config(
+            **COMMON, head_dim=256, sliding_window=12, query_pre_attn_scalar=256, attn_logit_softcapping=5.0
+        ),
+        GEMMA_INIT,
+        "cpu",
+    ),
+    "gemma3-hd256-cpu": (
+        lambda: Gemma3TextConfig(
+            **(COMMON | GEMMA3_LAYERS), head_dim=256, sliding_window=10, query_pre_attn_scalar=256
+        ),
+        GEMMA_INIT,
+        "cpu",
+    ),
 }
 
 
@@ -83,6 +99,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family):
     name, folder, hf, backend = family
     runner = ModelRunner(family_args(folder, attention_backend=backend))
     assert isinstance(runner.attn_backend, WindowedAttnBackend)
+    assert runner.attn_backend.kernels == (backend == "cpu")
     assert_scheduler_matches_transformers(runner, hf, name)
 
 

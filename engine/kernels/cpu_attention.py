@@ -21,7 +21,7 @@ __all__ = [
     "supports",
 ]
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # 256: Gemma 2 / Gemma 3
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -51,6 +51,7 @@ def decode_attention(
     lens: torch.Tensor,
     scale: float,
     query_starts: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, D], lse [B, H] fp32) of B decode queries, query b over its slot row's first
     `lens[b]` slots.
@@ -59,11 +60,14 @@ def decode_attention(
     lens int64 `[B]` (each >= 1). One query per slot row (R = B), or with `query_starts` int64
     `[R + 1]` row r's queries are `q[query_starts[r]:query_starts[r + 1]]` (a speculative verify's
     positions of one request: the row's K/V is read once for all of them, and each query's result
-    is bit-identical to attending it alone). Raises RuntimeError if the kernel is not built.
+    is bit-identical to attending it alone). `softcap`: Gemma 2's attention-logit cap, applied to
+    every scaled score (`cap * tanh(score / cap)`; None: none). Raises RuntimeError if the kernel
+    is not built.
     """
     module = module_or_raise()
+    cap = softcap or 0.0
     with torch.profiler.record_function("asyncllm::cpu_decode_attention"):  # named in profiles
-        out, lse = module.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, scale, query_starts)
+        out, lse = module.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, scale, query_starts, cap)
     return out, lse
 
 
@@ -75,13 +79,15 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves: `[T, H, D]`.
 
     q `[T, H, D]` (requests' new tokens back to back); slots int64 `[R, L]`, row r holding
     request r's `prefix_lens[r] + extend_lens[r]` slots (the new tokens' K/V already written);
-    prefix_lens/extend_lens int64 `[R]` (extend >= 1).
+    prefix_lens/extend_lens int64 `[R]` (extend >= 1); `softcap` as `decode_attention`'s.
     """
     module = module_or_raise()
+    cap = softcap or 0.0
     with torch.profiler.record_function("asyncllm::cpu_extend_attention"):
-        return module.extend_attention(q.contiguous(), k_buf, v_buf, slots, prefix_lens, extend_lens, scale)
+        return module.extend_attention(q.contiguous(), k_buf, v_buf, slots, prefix_lens, extend_lens, scale, cap)

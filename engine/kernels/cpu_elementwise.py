@@ -1,7 +1,8 @@
 """Fused bf16 elementwise ops of a decoder layer on CPUs (csrc/cpu_elementwise.cpp).
 
 RMSNorm (alone or after the residual add), SiLU(gate) * up and rotary embedding, each one pass over
-memory instead of torch's seven, two and four ops (rotary's result is bit-identical to torch's).
+memory instead of torch's seven, two and four ops (rotary's result is bit-identical to torch's);
+Gemma's (1 + w) RMSNorm, its sandwich step (`add_unit_norm_`) and GELU-tanh(gate) * up.
 They round like transformers' bf16 op order, but sum squares in another order, so a value can
 differ from torch's by one bf16 rounding step: they are used for bf16 only; fp32 keeps the torch
 ops, whose greedy output is token-identical to transformers'. The layers (engine/layers/norm.py,
@@ -18,10 +19,13 @@ __all__ = [
     "ROTARY_HEAD_DIM_MULTIPLE",
     "WIDTH_MULTIPLE",
     "add_rms_norm_",
+    "add_unit_norm_",
     "argmax_rows",
     "available",
+    "gelu_tanh_mul",
     "load",
     "rms_norm",
+    "rms_norm_unit_offset",
     "rotary",
     "silu_mul",
     "supports",
@@ -52,6 +56,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x += y` in place (bf16, the residual stream), then returns `rms_norm(x)`."""
     return module_or_raise().add_rms_norm_(x, y.contiguous(), weight, eps)
+
+
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, `bf16(x * rsqrt(mean(x^2) + eps) * (1 + weight))` (the scale in fp32, one
+    rounding), over the last dim of a bf16 `[T, N]` x."""
+    return module_or_raise().rms_norm_unit_offset(x.contiguous(), weight, eps)
+
+
+def add_unit_norm_(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, next_weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Gemma's sandwich step: `x += rms_norm_unit_offset(y, weight)` in place (bf16, the residual
+    stream), then returns `rms_norm_unit_offset(x, next_weight)`, or x when `next_weight` is None."""
+    return module_or_raise().add_unit_norm_(x, y.contiguous(), weight, next_weight, eps)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gelu(gate, approximate="tanh") * up` of a bf16 `[T, 2I]` gate|up slab (gate first), as `[T, I]`."""
+    return module_or_raise().gelu_tanh_mul(gate_up.contiguous())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Which attention backend a ModelRunner builds (`ServerArgs.attention_backend`), decided once.
 
-- "cpu": `CpuAttnBackend`, the C++ paged attention kernels (+ cascade decode); CPU, fp32/bf16,
-  head size 64 or 128, the kernels' extension built.
+- "cpu": `CpuAttnBackend`, the C++ paged attention kernels (+ cascade decode; Gemma 2's soft-cap
+  inside them); CPU, fp32/bf16, head size 64, 128 or 256, the kernels' extension built.
 - "torch": `TorchAttnBackend`, plain torch on any device (the reference).
 - "triton": `TritonAttnBackend`. Its kernels run on CUDA tensors, or on CPU only under the Triton
   interpreter (`TRITON_INTERPRET=1` set before the kernels are first imported; tests use it).
@@ -117,20 +117,21 @@ def create_attention_backend(
 
     `cascade` (shared-prefix decode) applies to the cpu and torch backends. A model with sliding
     windows (`windows`: one per layer, 0 = none) or an attention soft-cap gets the backend wrapped in
-    `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not; `swa_memory`:
-    the local layers' KV lives in the SWA pool (engine/cache/swa_pool.py).
+    `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not (the cpu
+    kernels take the soft-cap themselves); `swa_memory`: the local layers' KV lives in the SWA pool
+    (engine/cache/swa_pool.py).
     """
-    backend = _backend(name, layout, cascade)
+    backend = _backend(name, layout, cascade, softcap)
     if any(windows) or softcap is not None:
         # Hybrid SWA memory: the local layers plan over their own table (attention_window.py).
-        swa_inner = _backend(name, layout, cascade) if swa_memory else None
+        swa_inner = _backend(name, layout, cascade, softcap) if swa_memory else None
         return WindowedAttnBackend(backend, layout, windows, softcap, swa_inner)
     return backend
 
 
-def _backend(name: str, layout: HeadLayout, cascade: bool) -> AttentionBackend:
+def _backend(name: str, layout: HeadLayout, cascade: bool, softcap: float | None) -> AttentionBackend:
     if name == "cpu":
-        return CpuAttnBackend(layout, cascade=cascade)
+        return CpuAttnBackend(layout, cascade=cascade, softcap=softcap)
     if name == "torch":
         return TorchAttnBackend(layout, cascade=cascade)
     if name == "triton":

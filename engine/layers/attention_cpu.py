@@ -1,7 +1,9 @@
 """Attention on CPUs through the C++ paged attention kernels (engine/kernels/cpu_attention.py).
 
 Chosen at start-up (attention_backend.py) when the device is a CPU, the KV dtype is fp32 or bf16,
-the head size is 64 or 128 and the kernels' extension built. The kernels read each request's K/V
+the head size is 64, 128 or 256 and the kernels' extension built. Gemma 2's attention-logit
+soft-cap runs inside the kernels (`softcap`), so its layers keep them; a soft-capped model's decode
+has no cascade (the shared-prefix GEMM would not cap). The kernels read each request's K/V
 rows in place, once, with an online softmax: 3x faster than the torch backend's decode in bf16 and
 10x in fp32 (batch 64 x 450 tokens, 2 cores), whose cost is moving the KV cache through memory
 three times (gather, copy, read). Extend runs the kernel's causal attention over prefix + new tokens.
@@ -34,14 +36,17 @@ class KernelDecodePlan:
         slots: torch.Tensor,
         lens: torch.Tensor,
         query_starts: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.layout, self.pool, self.slots, self.lens = layout, pool, slots, lens
-        self.query_starts = query_starts
+        self.query_starts, self.softcap = query_starts, softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
         scaling = self.layout.scaling
-        out, _ = cpu_attention.decode_attention(q, kb, vb, self.slots, self.lens, scaling, self.query_starts)
+        out, _ = cpu_attention.decode_attention(
+            q, kb, vb, self.slots, self.lens, scaling, self.query_starts, self.softcap
+        )
         return out.view(q.shape[0], -1)
 
 
@@ -90,40 +95,47 @@ class KernelExtendPlan:
         slots: torch.Tensor,
         prefix_lens: torch.Tensor,
         extend_lens: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         self.layout, self.pool, self.slots = layout, pool, slots
-        self.prefix_lens, self.extend_lens = prefix_lens, extend_lens
+        self.prefix_lens, self.extend_lens, self.softcap = prefix_lens, extend_lens, softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
-        scaling = self.layout.scaling
-        out = cpu_attention.extend_attention(q, kb, vb, self.slots, self.prefix_lens, self.extend_lens, scaling)
+        scaling, prefix, ext = self.layout.scaling, self.prefix_lens, self.extend_lens
+        out = cpu_attention.extend_attention(q, kb, vb, self.slots, prefix, ext, scaling, self.softcap)
         return out.view(q.shape[0], -1)
 
 
 class CpuAttnBackend(PlannedAttnBackend):
     """The C++ kernel backend (`--attention-backend cpu`); see the module docstring."""
 
+    def __init__(self, layout: HeadLayout, cascade: bool = True, softcap: float | None = None) -> None:
+        super().__init__(layout, cascade=cascade and softcap is None)
+        self.softcap = softcap
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        pool = fb.token_to_kv_pool
+        pool, cap = fb.token_to_kv_pool, self.softcap
         if fb.forward_mode.is_decode():
             rows, _ = decode_rows(fb)
             shared = self.shared_prefix_plan(rows, fb)
             if shared is not None:
                 self.plan = KernelCascadePlan(self.layout, pool, shared)
             else:  # on a CPU fb.seq_lens is the host int64 tensor the kernel takes
-                self.plan = KernelDecodePlan(self.layout, pool, rows, fb.seq_lens)
+                self.plan = KernelDecodePlan(self.layout, pool, rows, fb.seq_lens, softcap=cap)
             return
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
         max_seq = max(p + e for p, e in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_seq].to(torch.int64)
         if fb.forward_mode.is_verify():
-            self.plan = per_token_decode_plan(self.layout, pool, rows, fb)
+            self.plan = per_token_decode_plan(self.layout, pool, rows, fb, cap)
             return
-        self.plan = KernelExtendPlan(self.layout, pool, rows, fb.extend_prefix_lens, fb.extend_seq_lens)
+        self.plan = KernelExtendPlan(self.layout, pool, rows, fb.extend_prefix_lens, fb.extend_seq_lens, cap)
 
 
-def per_token_decode_plan(layout: HeadLayout, pool: KVCache, rows: torch.Tensor, fb: ForwardBatch) -> KernelDecodePlan:
+def per_token_decode_plan(
+    layout: HeadLayout, pool: KVCache, rows: torch.Tensor, fb: ForwardBatch, softcap: float | None = None
+) -> KernelDecodePlan:
     """A speculative verify's causal attention as one decode query per token: token i of a
     request attends its row's first prefix + i + 1 slots through the decode kernel, so each
     verified position's logits are bit-identical to what a plain decode step computes there (the
@@ -141,4 +153,5 @@ def per_token_decode_plan(layout: HeadLayout, pool: KVCache, rows: torch.Tensor,
         rows.contiguous(),
         torch.tensor(lens, dtype=torch.int64),
         torch.tensor(starts, dtype=torch.int64),
+        softcap,
     )

@@ -5,14 +5,17 @@ last `window` positions (transformers: key `k` is visible to query `q` when `q -
 Gemma 2 also squashes every attention score through `cap * tanh(score / cap)` before the softmax.
 
 `WindowedAttnBackend` wraps the backend chosen at start-up (C++ kernels, torch or Triton):
-- a forward where no sequence is longer than the smallest window, and the model has no soft-cap,
-  is exactly full causal attention: every layer runs the wrapped backend's plan (its kernels, its
-  cascade decode), so a short conversation on Mistral costs nothing extra;
+- a forward where no sequence is longer than the smallest window, and the model has no soft-cap
+  or the wrapped backend caps itself (the C++ kernels do), is exactly full causal attention: every
+  layer runs the wrapped backend's plan (its kernels, its cascade decode), so a short conversation
+  on Mistral costs nothing extra;
 - otherwise the layers that need it (the windowed ones whose window binds; every layer under a
-  soft-cap) run `WindowPlan`: torch ops over the pool, decode as one batched pair of matmuls over
-  each request's last `window` slots, extend one SDPA per request with a window mask (explicit
-  scores when soft-capped: SDPA has no cap), a speculative verify one decode query per token (as
-  the CPU backend does, so speculation never changes a greedy token).
+  soft-cap the wrapped backend does not apply) run `WindowPlan`. Decode (and a speculative
+  verify, one decode query per token, as the CPU backend does, so speculation never changes a
+  greedy token) reads each query's last `window` slots: through the C++ decode kernel over those
+  slots when the wrapped backend is the kernels' (the soft-cap inside it), else as one batched
+  pair of matmuls over them. Extend is one SDPA per request with a window mask (explicit scores
+  when soft-capped: SDPA has no cap).
 
 With hybrid SWA memory (engine/cache/swa_pool.py) the local layers' buffers are indexed by SWA
 slots: they run on a view of the forward (`swa_view`) whose request table and output slots are in
@@ -30,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.memory_pool import KVCache
+from engine.kernels import cpu_attention
+from engine.layers.attention_cpu import CpuAttnBackend
 from engine.layers.attention_ops import HeadLayout, gather_heads, softmax_attend
 from engine.model_executor.forward_batch_info import AttentionBackend, ForwardBatch
 
@@ -75,10 +80,13 @@ def _window_rows(
 
 
 class WindowPlan:
-    """One forward's windowed / soft-capped attention in torch ops (see the module docstring)."""
+    """One forward's windowed / soft-capped attention (see the module docstring); `kernel`: decode
+    queries through the C++ decode kernel."""
 
-    def __init__(self, layout: HeadLayout, softcap: float | None, windows: set[int], fb: ForwardBatch) -> None:
-        self.layout, self.softcap, self.pool = layout, softcap, fb.token_to_kv_pool
+    def __init__(
+        self, layout: HeadLayout, softcap: float | None, windows: set[int], fb: ForwardBatch, kernel: bool = False
+    ) -> None:
+        self.layout, self.softcap, self.pool, self.kernel = layout, softcap, fb.token_to_kv_pool, kernel
         table, device = fb.req_to_token_pool.req_to_token, fb.seq_lens.device
         self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.extend: list[tuple[int, int, int, int]] = []  # (q start, ext, prefix, table row)
@@ -93,6 +101,8 @@ class WindowPlan:
                 lens = torch.tensor([n for _, n in pairs], dtype=torch.int64, device=device)
             for w in windows:
                 self.decode_rows[w] = _window_rows(table, rows.to(torch.int64), lens.to(torch.int64), w)
+            # the kernel's lengths: each query's visible count (its padding trails its slots)
+            self.kernel_lens = {w: (~pad).sum(1) for w, (_, pad) in self.decode_rows.items()} if kernel else {}
         else:
             start = 0
             per = zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
@@ -104,6 +114,11 @@ class WindowPlan:
         kb, vb = self.pool.k_buffer[layer_id], self.pool.v_buffer[layer_id]
         if self.per_query:
             slots, pad = self.decode_rows[window]
+            if self.kernel:  # each query's visible slots lead its row: the kernel reads the first `lens`
+                layout, lens = self.layout, self.kernel_lens[window]
+                q3 = q.view(slots.shape[0], layout.num_heads, layout.head_dim)
+                out, _ = cpu_attention.decode_attention(q3, kb, vb, slots, lens, layout.scaling, softcap=self.softcap)
+                return out.view(slots.shape[0], -1)
             return attend_window_rows(q, kb, vb, slots, pad, self.layout, self.softcap)
         layout = self.layout
         out = torch.empty(q.shape[0], layout.num_heads * layout.head_dim, dtype=q.dtype, device=q.device)
@@ -169,6 +184,8 @@ class WindowedAttnBackend:
     ):
         self.inner, self.layout, self.windows, self.softcap = inner, layout, windows, softcap
         self.swa_inner = swa_inner
+        # the C++ kernels: they cap scores themselves and serve a window's decode over its slots
+        self.kernels = isinstance(inner, CpuAttnBackend)
         self.min_window = min((w for w in windows if w), default=0)
         self.plan: WindowPlan | None = None
         self.swa_plan: WindowPlan | None = None
@@ -186,7 +203,7 @@ class WindowedAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         binds = self.binds(fb)
-        if self.softcap is not None:
+        if self.softcap is not None and not self.kernels:
             self.own_layers = frozenset(range(len(self.windows)))
         elif binds:
             self.own_layers = frozenset(i for i, w in enumerate(self.windows) if w)
@@ -203,7 +220,8 @@ class WindowedAttnBackend:
                 inners[local].init_forward_metadata(views[local])  # type: ignore[union-attr,arg-type]
             needed = {self.binding[i] for i in layers if i in self.own_layers}
             if needed:
-                plans[local] = WindowPlan(self.layout, self.softcap, needed, views[local])  # type: ignore[arg-type]
+                view: ForwardBatch = views[local]  # type: ignore[assignment]
+                plans[local] = WindowPlan(self.layout, self.softcap, needed, view, self.kernels)
         self.plan, self.swa_plan = plans[False], plans[True]
 
     def forward(

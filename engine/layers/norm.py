@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
 
     `weight_before_cast`: OLMo 2's order (`rms_norm_weight_first`, torch ops: the fused kernel
     rounds before the weight, as Llama's RMSNorm does); `unit_offset`: Gemma's
-    (`rms_norm_unit_offset`, torch ops)."""
+    (`rms_norm_unit_offset`; fused, its own kernel, where the plain norm's would be)."""
 
     def __init__(
         self,
@@ -85,10 +85,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
-        plain = not weight_before_cast and not unit_offset
-        self.uses_cpu_kernel = plain and fused_norm_applies(hidden_size, device, dtype)
+        self.unit_offset = unit_offset
+        self.uses_cpu_kernel = not weight_before_cast and fused_norm_applies(hidden_size, device, dtype)
         torch_form = rms_norm_unit_offset if unit_offset else rms_norm_weight_first if weight_before_cast else rms_norm
-        self._norm = cpu_elementwise.rms_norm if self.uses_cpu_kernel else torch_form
+        kernel = cpu_elementwise.rms_norm_unit_offset if unit_offset else cpu_elementwise.rms_norm
+        self._norm = kernel if self.uses_cpu_kernel else torch_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)

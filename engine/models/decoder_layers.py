@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
+from engine.kernels import cpu_elementwise
 from engine.layers.activation import get_act_and_mul
 from engine.layers.linear import DenseLinear
 from engine.layers.moe import FusedMoE
@@ -182,8 +183,17 @@ class SandwichDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp, shard)
         self.mlp = make_mlp(cfg, layer_id, tp, shard, device, dtype)
+        self.eps = cfg.rms_norm_eps
+        # bf16 on the fused kernels: each "residual += post_norm(y), then the next norm" is one
+        # pass, the residual (the forward's own tensor) summed in place
+        self.fused_steps = self.input_layernorm.uses_cpu_kernel and cfg.unit_offset_norms
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.fused_steps:
+            h = self.self_attn(self.input_layernorm(x), cos, sin, fb)
+            post, pre = self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight
+            h = self.mlp(cpu_elementwise.add_unit_norm_(x, h, post, pre, self.eps), fb)
+            return cpu_elementwise.add_unit_norm_(x, h, self.post_feedforward_layernorm.weight, None, self.eps)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, fb))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), fb))
 

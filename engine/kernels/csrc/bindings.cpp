@@ -11,12 +11,16 @@
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale,
-                                            std::optional<torch::Tensor> query_starts);
+                                            std::optional<torch::Tensor> query_starts, double softcap);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rms_norm_unit_offset(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_unit_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, std::optional<torch::Tensor> w_next,
+                             double eps);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool quant_gemv_vectorized();
@@ -60,13 +64,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "settle this thread's intra-op threads for these kernels; returns them");
   m.def("decode_attention", &decode_attention, "paged decode attention (out, lse) on CPU", py::arg("q"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
-        py::arg("query_starts") = py::none());
-  m.def("extend_attention", &extend_attention, "paged causal extend/prefill attention on CPU");
+        py::arg("query_starts") = py::none(), py::arg("softcap") = 0.0);
+  m.def("extend_attention", &extend_attention, "paged causal extend/prefill attention on CPU", py::arg("q"),
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("prefix_lens"), py::arg("extend_lens"),
+        py::arg("scale"), py::arg("softcap") = 0.0);
   m.def("attention_bf16dot_built", &asyncllm::attention_bf16dot_built,
         "whether bf16 decode attention reads a slot row once for all its queries (vdpbf16ps kernels)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a bf16 [T, 2I] gate|up slab");
+  m.def("rms_norm_unit_offset", &rms_norm_unit_offset, "Gemma's (1 + w) RMSNorm of bf16 rows");
+  m.def("add_unit_norm_", &add_unit_norm_, "x += unit_norm(y, w) (bf16), then unit_norm(x, w_next) or x",
+        py::arg("x"), py::arg("y"), py::arg("w"), py::arg("w_next"), py::arg("eps"));
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a bf16 [T, 2I] gate|up slab");
   m.def("rotary", &rotary, "rotary embedding of bf16 [T, NH, D] heads");
   m.def("argmax_rows", &argmax_rows, "argmax of each bf16/fp32 row (torch.argmax(dim=-1)'s answer)",
         py::call_guard<py::gil_scoped_release>());

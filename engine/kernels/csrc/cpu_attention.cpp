@@ -18,8 +18,9 @@
 // Grouped-query heads share each K/V row load.
 //
 // Vectors are the machine's own width (vec_native.h: 16 fp32 lanes with AVX-512, 8 with AVX2), and
-// K/V rows are read in place, bf16 widened as loaded; D must be a multiple of 16 (64 and 128 are
-// built).
+// K/V rows are read in place, bf16 widened as loaded; D must be a multiple of 16 (64, 128 and 256
+// are built: Gemma's heads are 256 wide). Gemma 2's attention-logit soft-cap (`softcap` > 0) caps
+// every scaled score before the mask, as transformers does.
 //
 // This file holds the entry points (argument checks) and the fp32-FMA kernels, used for fp32 and
 // for bf16 on CPUs without AVX512-BF16; cpu_attention_bf16.cpp has the faster bf16 kernels.
@@ -82,12 +83,15 @@ inline void init_row(RowState<NV>& st) {
   st.run_sum = 0.0f;
 }
 
-// One block of keys for one query row: scores, the online-softmax update, P @ V. krow/vrow: the
-// block's K and V rows, read in place; only the first `cnt` count (the rest repeat a real row).
+// One block of keys for one query row: scores (soft-capped when cap > 0), the online-softmax
+// update, P @ V. krow/vrow: the block's K and V rows, read in place; only the first `cnt` count
+// (the rest repeat a real row).
 template <int NV, typename T>
-inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow, int cnt, RowState<NV>& st) {
+inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow, int cnt, float cap,
+                         RowState<NV>& st) {
   const vi valid = lanes_below(cnt);
   vf s = score_tree<kKeys, NV>(q, krow);
+  if (cap > 0.0f) s = softcap(s, cap);
   s = valid ? s : broadcast(-std::numeric_limits<float>::infinity());
   const float new_max = std::max(st.run_max, hmax(s));
   const float alpha = std::exp(st.run_max - new_max);
@@ -129,7 +133,7 @@ inline float store_row(const RowState<NV>& st, T* o) {
 
 template <int NV, typename T>
 void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, const int64_t* lens, T* out,
-                   float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
+                   float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale, float cap) {
   constexpr int64_t D = NV * kWidth;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // elements between consecutive slots of the pool
@@ -160,7 +164,7 @@ void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, c
           }
         }
         block_rows(kb, vb, sl + t0, cnt, row, kh * D, krow, vrow);
-        for (int64_t g = 0; g < G; ++g) attend_block<NV>(qv.data() + g * NV, krow, vrow, cnt, st[g]);
+        for (int64_t g = 0; g < G; ++g) attend_block<NV>(qv.data() + g * NV, krow, vrow, cnt, cap, st[g]);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
@@ -172,7 +176,8 @@ void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, c
 
 template <int NV, typename T>
 void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L, const int64_t* prefix,
-                   const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H, int64_t KVH, float scale) {
+                   const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H, int64_t KVH, float scale,
+                   float cap) {
   constexpr int64_t D = NV * kWidth;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
@@ -207,7 +212,7 @@ void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, i
           const int64_t seen = first_pos + i + 1 - t0;
           const int upto = static_cast<int>(seen < cnt ? seen : cnt);
           for (int64_t g = 0; g < G; ++g)
-            attend_block<NV>(qv.data() + (i * G + g) * NV, krow, vrow, upto, st[i * G + g]);
+            attend_block<NV>(qv.data() + (i * G + g) * NV, krow, vrow, upto, cap, st[i * G + g]);
         }
       }
       for (int64_t i = 0; i < nq; ++i)
@@ -218,28 +223,33 @@ void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, i
 
 template <typename T>
 void dispatch_head_dim(int64_t D, const T* q, const T* kb, const T* vb, const int64_t* slots, const int64_t* lens,
-                       T* out, float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale) {
+                       T* out, float* lse, int64_t B, int64_t H, int64_t KVH, int64_t max_len, float scale,
+                       float cap) {
   switch (D) {
     case 64:
-      return decode_kernel<64 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
+      return decode_kernel<64 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale, cap);
     case 128:
-      return decode_kernel<128 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale);
+      return decode_kernel<128 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale, cap);
+    case 256:
+      return decode_kernel<256 / kWidth, T>(q, kb, vb, slots, lens, out, lse, B, H, KVH, max_len, scale, cap);
     default:
-      TORCH_CHECK(false, "decode_attention: head_dim 64 or 128, got ", D);
+      TORCH_CHECK(false, "decode_attention: head_dim 64, 128 or 256, got ", D);
   }
 }
 
 template <typename T>
 void dispatch_extend(int64_t D, const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
                      const int64_t* prefix, const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H,
-                     int64_t KVH, float scale) {
+                     int64_t KVH, float scale, float cap) {
   switch (D) {
     case 64:
-      return extend_kernel<64 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
+      return extend_kernel<64 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
     case 128:
-      return extend_kernel<128 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale);
+      return extend_kernel<128 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
+    case 256:
+      return extend_kernel<256 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
     default:
-      TORCH_CHECK(false, "extend_attention: head_dim 64 or 128, got ", D);
+      TORCH_CHECK(false, "extend_attention: head_dim 64, 128 or 256, got ", D);
   }
 }
 
@@ -247,7 +257,7 @@ void dispatch_extend(int64_t D, const T* q, const T* kb, const T* vb, const int6
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale,
-                                            std::optional<torch::Tensor> query_starts) {
+                                            std::optional<torch::Tensor> query_starts, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu() && v_buf.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q [B, H, D], k/v [S, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "contiguous q, k, v");
@@ -285,11 +295,12 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
   }
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat));
-  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "softcap: > 0, or 0 for none");
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (q.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
     if (asyncllm::decode_attention_bf16dot(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, lp, qs,
-                                           out.data_ptr<bf>(), lse.data_ptr<float>(), R, H, KVH, L, sc))
+                                           out.data_ptr<bf>(), lse.data_ptr<float>(), R, H, KVH, L, sc, cap))
       return {out, lse};
   }
   if (query_starts.has_value()) {  // the fp32-FMA kernels take one slot row per query: repeat each row
@@ -299,11 +310,11 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
   }
   if (q.scalar_type() == torch::kFloat) {
     dispatch_head_dim<float>(D, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), sp, lp,
-                             out.data_ptr<float>(), lse.data_ptr<float>(), B, H, KVH, L, sc);
+                             out.data_ptr<float>(), lse.data_ptr<float>(), B, H, KVH, L, sc, cap);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
     dispatch_head_dim<bf>(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, lp,
-                          out.data_ptr<bf>(), lse.data_ptr<float>(), B, H, KVH, L, sc);
+                          out.data_ptr<bf>(), lse.data_ptr<float>(), B, H, KVH, L, sc, cap);
   } else {
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
   }
@@ -311,7 +322,7 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
 }
 
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale) {
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu() && v_buf.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q [T, H, D], k/v [S, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "contiguous q, k, v");
@@ -336,17 +347,18 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   }
   TORCH_CHECK(total == T, "extend lengths must add up to the query tokens");
   auto out = torch::empty_like(q);
-  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "softcap: > 0, or 0 for none");
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (q.scalar_type() == torch::kFloat) {
     dispatch_extend<float>(D, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), sp, L, pp, ep,
-                           qstart.data(), R, out.data_ptr<float>(), H, KVH, sc);
+                           qstart.data(), R, out.data_ptr<float>(), H, KVH, sc, cap);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
     if (asyncllm::extend_attention_bf16dot(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, L, pp,
-                                           ep, qstart.data(), R, out.data_ptr<bf>(), H, KVH, sc))
+                                           ep, qstart.data(), R, out.data_ptr<bf>(), H, KVH, sc, cap))
       return out;
     dispatch_extend<bf>(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, L, pp, ep, qstart.data(),
-                        R, out.data_ptr<bf>(), H, KVH, sc);
+                        R, out.data_ptr<bf>(), H, KVH, sc, cap);
   } else {
     TORCH_CHECK(false, "extend_attention: float32 or bfloat16 only");
   }

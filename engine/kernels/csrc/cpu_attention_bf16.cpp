@@ -27,11 +27,12 @@ constexpr int kChunk = 128;  // keys per two-pass chunk: its K and V rows stay i
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512i load_bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
 
-// Scores of G query heads (bf16 vectors qv[g][DW]) against 16 K rows; lanes >= cnt are -inf.
-// rows[t]: the K row of key t (rows past cnt repeat a valid row; their lanes are masked).
+// Scores of G query heads (bf16 vectors qv[g][DW]) against 16 K rows, soft-capped when cap > 0;
+// lanes >= cnt are -inf. rows[t]: the K row of key t (rows past cnt repeat a valid row; their
+// lanes are masked).
 template <int DW>
 inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* rows, int cnt, float scale,
-                        float* s, int64_t s_stride, v16f* run_max) {
+                        float cap, float* s, int64_t s_stride, v16f* run_max) {
   const v16i valid = lanes_below(cnt);
   for (int g = 0; g < G; ++g) {
     v16f partial[kBlock];
@@ -42,6 +43,7 @@ inline void score_block(const __m512i* qv, int G, const c10::BFloat16* const* ro
       partial[t] = (v16f)a;
     }
     v16f sc = transpose_sum16(partial) * scale;
+    if (cap > 0.0f) sc = softcap(sc, cap);
     sc = valid ? sc : splat(-std::numeric_limits<float>::infinity());
     std::memcpy(s + g * s_stride, &sc, sizeof(sc));
     run_max[g] = run_max[g] > sc ? run_max[g] : sc;
@@ -151,7 +153,8 @@ void run_dynamic(int64_t n, const Body& body) {
 template <int NV>
 void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                            const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
-                           float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale) {
+                           float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale,
+                           float cap) {
   constexpr int DW = NV / 2;  // 32-element bf16 vectors per row
   constexpr int64_t D = NV * 16;
   const int G = static_cast<int>(H / KVH);
@@ -230,7 +233,7 @@ void decode_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
           for (int i = 0; i < nq; ++i) {  // query i sees its own keys only: the rest score -inf
             const int64_t seen = lens[q0 + i] - (c0 + t0);
             const int qcnt = static_cast<int>(seen < cnt ? (seen > 0 ? seen : 0) : cnt);
-            score_block<DW>(qv.data() + i * G * DW, G, krows.data() + t0, qcnt, scale,
+            score_block<DW>(qv.data() + i * G * DW, G, krows.data() + t0, qcnt, scale, cap,
                             s.data() + i * G * kChunk + t0, kChunk, run_max_v.data() + i * G);
           }
         }
@@ -330,7 +333,7 @@ template <int NV>
 void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                            const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                            const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
-                           float scale) {
+                           float scale, float cap) {
   constexpr int DW = NV / 2, DP = NV * 8;  // bf16 vectors and bf16 pairs per head row
   constexpr int64_t D = NV * 16;
   constexpr int RB = 8 / DW;  // rows per pv_rows call: 16 accumulators
@@ -350,6 +353,7 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
   for (int i = 0; i < 16; ++i) inter[2 * i] = static_cast<int16_t>(i), inter[2 * i + 1] = static_cast<int16_t>(16 + i);
   const __m512i interleave = _mm512_load_si512(inter);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float eff = cap > 0.0f ? 1.0f : scale;  // capped scores come scaled
   run_dynamic(static_cast<int64_t>(tasks.size()), [&](const auto& claim) {
     std::vector<__m512i> qt(DP * G), pp(kKeys / 2 * G), vi(kKeys / 2 * 2 * DW);
     std::vector<__m512> S(kKeys * G), acc(G * kQueries * 2 * DW), run_max(G), run_sum(G), alpha(G);
@@ -387,6 +391,8 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
             prefetch_l2(reinterpret_cast<const char*>(vb + sl[t] * row + kh * D) + byte);
           }
         score_chunk<DP>(qt.data(), G, krows.data(), cn, S.data());
+        if (cap > 0.0f)  // scaled and capped here; `eff` below is then 1
+          for (int k = 0; k < cn * G; ++k) S[k] = (__m512)softcap((v16f)S[k] * scale, cap);
         // Causal mask (key c0 + k is seen by queries i >= c0 + k - first_pos), running max, exp.
         const int npairs = (cn + 1) / 2;
         for (int g = 0; g < G; ++g) {
@@ -401,12 +407,12 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
             }
             mx = _mm512_max_ps(mx, sc);
           }
-          const __m512 neg_m = _mm512_mul_ps(mx, _mm512_set1_ps(-scale));
-          alpha[g] = (__m512)exp_nonpos((v16f)_mm512_fmadd_ps(run_max[g], _mm512_set1_ps(scale), neg_m));
+          const __m512 neg_m = _mm512_mul_ps(mx, _mm512_set1_ps(-eff));
+          alpha[g] = (__m512)exp_nonpos((v16f)_mm512_fmadd_ps(run_max[g], _mm512_set1_ps(eff), neg_m));
           run_max[g] = mx;
           __m512 sum = _mm512_setzero_ps();
           for (int k = 0; k < cn; ++k) {
-            const __m512 e = (__m512)exp_nonpos((v16f)_mm512_fmadd_ps(S[k * G + g], _mm512_set1_ps(scale), neg_m));
+            const __m512 e = (__m512)exp_nonpos((v16f)_mm512_fmadd_ps(S[k * G + g], _mm512_set1_ps(eff), neg_m));
             S[k * G + g] = e;
             sum = _mm512_add_ps(sum, e);
           }
@@ -462,10 +468,13 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
 
 bool decode_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                               const int64_t* slots, const int64_t* lens, const int64_t* qstart, c10::BFloat16* out,
-                              float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale) {
-  if (D != 64 && D != 128) return false;
-  (D == 64 ? decode_kernel_bf16dot<4> : decode_kernel_bf16dot<8>)(q, kb, vb, slots, lens, qstart, out, lse, R, H, KVH,
-                                                                  max_len, scale);
+                              float* lse, int64_t R, int64_t H, int64_t KVH, int64_t max_len, float scale, float cap) {
+  switch (D) {
+    case 64: decode_kernel_bf16dot<4>(q, kb, vb, slots, lens, qstart, out, lse, R, H, KVH, max_len, scale, cap); break;
+    case 128: decode_kernel_bf16dot<8>(q, kb, vb, slots, lens, qstart, out, lse, R, H, KVH, max_len, scale, cap); break;
+    case 256: decode_kernel_bf16dot<16>(q, kb, vb, slots, lens, qstart, out, lse, R, H, KVH, max_len, scale, cap); break;
+    default: return false;
+  }
   return true;
 }
 
@@ -474,10 +483,13 @@ bool attention_bf16dot_built() { return true; }
 bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                               const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                               const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
-                              float scale) {
-  if (D != 64 && D != 128) return false;
-  (D == 64 ? extend_kernel_bf16dot<4> : extend_kernel_bf16dot<8>)(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H,
-                                                                  KVH, scale);
+                              float scale, float cap) {
+  switch (D) {
+    case 64: extend_kernel_bf16dot<4>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
+    case 128: extend_kernel_bf16dot<8>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
+    case 256: extend_kernel_bf16dot<16>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
+    default: return false;
+  }
   return true;
 }
 
@@ -489,12 +501,12 @@ namespace asyncllm {
 bool attention_bf16dot_built() { return false; }
 bool decode_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                               const int64_t*, const int64_t*, const int64_t*, c10::BFloat16*, float*, int64_t, int64_t,
-                              int64_t, int64_t, float) {
+                              int64_t, int64_t, float, float) {
   return false;
 }
 bool extend_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                               const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
-                              c10::BFloat16*, int64_t, int64_t, float) {
+                              c10::BFloat16*, int64_t, int64_t, float, float) {
   return false;
 }
 }  // namespace asyncllm

@@ -1,5 +1,6 @@
 // Fused elementwise ops of a decoder layer, bf16 on CPUs: RMSNorm (optionally after the residual
-// add), SiLU(gate) * up, and rotary embedding.
+// add), SiLU(gate) * up, and rotary embedding; for Gemma's layers, its (1 + w) RMSNorm (alone and
+// as the sandwich step "residual += norm(y), then the next norm") and GELU-tanh(gate) * up.
 //
 // Why: torch runs transformers' RMSNorm as seven ops (to fp32, pow, mean, add, rsqrt, mul, to bf16,
 // mul) and SiLU-and-mul as two, each a pass over memory with its own dispatch; on the default
@@ -16,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <optional>
 #include <vector>
 
 #include "vec.h"
@@ -44,6 +46,18 @@ inline void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, flo
   }
   const float r = 1.0f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; i += 16) store16(load16(w + i) * round_bf16(load16(x + i) * r), out + i);
+}
+
+// Gemma's RMSNorm: out = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), the scale applied in fp32
+// before the one rounding (transformers' Gemma order; its weight is an offset from 1).
+inline void unit_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+  v16f ss = splat(0.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const v16f v = load16(x + i);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; i += 16) store16(load16(x + i) * r * (1.0f + load16(w + i)), out + i);
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* op) {
@@ -84,6 +98,71 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
       for (int64_t i = 0; i < N; i += 16) store16(load16(xr + i) + load16(yp + t * N + i), xr + i);
       rms_norm_row(xr, wp, op + t * N, N, static_cast<float>(eps));
     }
+  });
+  return out;
+}
+
+torch::Tensor rms_norm_unit_offset(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w, "rms_norm_unit_offset");
+  auto out = torch::empty_like(x);
+  const int64_t T = x.size(0), N = x.size(1);
+  const bf16 *xp = x.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) unit_norm_row(xp + t * N, wp, op + t * N, N, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Gemma's sandwich step: x <- bf16(x + unit_norm(y, w)) in place (the residual stream: the norm
+// rounded to bf16, then the sum, as torch's two ops), then returns unit_norm(x, w_next); with no
+// w_next, x itself.
+torch::Tensor add_unit_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, std::optional<torch::Tensor> w_next,
+                             double eps) {
+  check_rows(x, w, "add_unit_norm_");
+  if (w_next.has_value()) check_rows(x, *w_next, "add_unit_norm_");
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.is_contiguous() && y.device().is_cpu(),
+              "add_unit_norm_: y like x");
+  const int64_t T = x.size(0), N = x.size(1);
+  auto out = w_next.has_value() ? torch::empty_like(x) : x;
+  bf16* xp = x.data_ptr<bf16>();
+  const bf16 *yp = y.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
+  const bf16* np = w_next.has_value() ? w_next->data_ptr<bf16>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  const float ep = static_cast<float>(eps);
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t b, int64_t e) {
+    std::vector<bf16> normed(N);
+    for (int64_t t = b; t < e; ++t) {
+      bf16* xr = xp + t * N;
+      unit_norm_row(yp + t * N, wp, normed.data(), N, ep);
+      for (int64_t i = 0; i < N; i += 16) store16(load16(xr + i) + load16(normed.data() + i), xr + i);
+      if (np != nullptr) unit_norm_row(xr, np, op + t * N, N, ep);
+    }
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate | up) -> bf16(bf16(gelu_tanh(gate)) * up) [T, I] (Gemma's GeGLU), with
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), computed as
+// g / (1 + exp(-2y)) from e = exp(-2|y|) as silu is: the same function without the cancellation
+// of 1 + tanh(y) for y << 0 (torch's fp32 form loses every digit there, at values below ~1e-6).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kBFloat16, "gelu_tanh_mul: CPU bfloat16");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
+              "gelu_tanh_mul: [T, 2I] contiguous, I a multiple of 16");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const bf16* gp = gate_up.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), torch's constants
+  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t i = 0; i < I; i += 16) {
+        const v16f g = load16(gp + t * 2 * I + i), u = load16(gp + t * 2 * I + I + i);
+        const v16f y = kBeta * (g + kKappa * g * g * g);
+        const v16f e = exp_nonpos(y > 0.0f ? -2.0f * y : 2.0f * y);
+        store16(round_bf16((y >= 0.0f ? g : g * e) / (1.0f + e)) * u, op + t * I + i);
+      }
   });
   return out;
 }

@@ -105,6 +105,34 @@ inline F exp_nonpos_of(F x) {
 
 inline v16f exp_nonpos(v16f x) { return exp_nonpos_of<v16f, v16i>(x); }
 
+// tanh lane by lane: below 0.625 in magnitude an odd polynomial (Cephes' tanhf coefficients, no
+// cancellation near 0), above it (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 (+-1 from |x| ~ 44
+// on, where e underflows); within a few ulp of tanhf.
+template <typename F, typename I>
+inline F tanh_of(F x) {
+  const F ax = x < F{} ? -x : x;
+  const F z = x * x;
+  F p = F{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const F small = x + x * z * p;
+  const F e = exp_nonpos_of<F, I>(F{} - 2.0f * ax);
+  F big = (1.0f - e) / (1.0f + e);
+  big = x < F{} ? -big : big;
+  return ax < F{} + 0.625f ? small : big;
+}
+
+// Gemma 2's attention-logit soft-cap, cap * tanh(s / cap) (transformers' order: divide, tanh,
+// multiply).
+template <typename F, typename I>
+inline F softcap_of(F s, float cap) {
+  return tanh_of<F, I>(s / (F{} + cap)) * cap;
+}
+
+inline v16f softcap(v16f s, float cap) { return softcap_of<v16f, v16i>(s, cap); }
+
 // State of one query row (one token, one head) across key blocks: the online softmax.
 
 inline v16i lanes_below(int64_t n) {

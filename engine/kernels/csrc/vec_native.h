@@ -84,5 +84,6 @@ inline vi lanes_below(int n) {
 }
 
 inline vf exp_nonpos(vf x) { return exp_nonpos_of<vf, vi>(x); }
+inline vf softcap(vf s, float cap) { return softcap_of<vf, vi>(s, cap); }
 
 }  // namespace asyncllm::native
