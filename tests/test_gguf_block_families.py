@@ -35,7 +35,8 @@ from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import resolve_model
 from tests.test_gguf_families import write_phi3_gguf
 from tests.test_gguf_gemma import write_gemma_gguf
-from tests.test_gguf_kquants import kquant_bytes
+from tests.test_gguf_kquants import Q4_K, Q5_K, Q6_K, VECTOR, kquant_bytes
+from tests.test_gguf_kquants import SHAPE as KQUANT_SHAPE
 from tests.test_model_families import (
     NO_SPECIAL,
     VOCAB,
@@ -44,20 +45,8 @@ from tests.test_model_families import (
     family_args,
 )
 
-Q4_K, Q5_K, Q6_K = (GGMLQuantizationType[t] for t in ("Q4_K", "Q5_K", "Q6_K"))
-VECTOR = pytest.mark.skipif(not cpu_quant.vectorized(torch.float32), reason="no fp32 block loops on this CPU")
-
-# K-quant rows are 256 wide: hidden 256, and 4 heads of 64 (o's input)
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    **NO_SPECIAL,
-)
+# K-quant rows are 256 wide: test_gguf_kquants' tiny shape (hidden 256, 4 heads of 64: o's input)
+SHAPE = {k: v for k, v in KQUANT_SHAPE.items() if k not in ("num_hidden_layers", "tie_word_embeddings")}
 CONFIGS = {
     "gemma2": lambda: Gemma2Config(
         **SHAPE, num_hidden_layers=2, head_dim=64, sliding_window=24, query_pre_attn_scalar=64

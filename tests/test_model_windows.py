@@ -122,10 +122,16 @@ def test_tp2_gemma2_greedy_tokens_equal_transformers(tmp_path):
     assert_tp2_matches_transformers(str(tmp_path), save_random_model(cfg(), init, tmp_path))
 
 
-def test_speculative_verify_past_the_window_keeps_greedy_tokens(tmp_path):
-    cfg, init, _ = FAMILIES["mistral-window16"]
+@pytest.mark.parametrize("name", ["mistral-window16", "mistral-hd64-window8-tied", "gemma2-hd256-softcaps-cpu"])
+def test_speculative_verify_past_the_window_keeps_greedy_tokens(name, tmp_path):
+    """A verify's positions each attend as a decode query over their own window: through torch ops,
+    and on the C++ kernels over each position's window slots (with Gemma 2's soft-cap inside)."""
+    cfg, init, backend = FAMILIES[name]
     hf = save_random_model(cfg(), init, tmp_path)
-    runner = ModelRunner(family_args(str(tmp_path), speculative_algorithm="NGRAM", chunked_prefill_size=None))
+    args = family_args(
+        str(tmp_path), speculative_algorithm="NGRAM", chunked_prefill_size=None, attention_backend=backend
+    )
+    runner = ModelRunner(args)
     prompt = [5, 6, 7, 8, 9] * 8  # repetitive: the n-gram drafter proposes, verify runs past the window
     sched = SyncScheduler(runner, runner.args)
     req = sched.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10))

@@ -142,52 +142,50 @@ torch::Tensor add_unit_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, 
   return out;
 }
 
-// gate_up [T, 2I] (gate | up) -> bf16(bf16(gelu_tanh(gate)) * up) [T, I] (Gemma's GeGLU), with
-// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), computed as
-// g / (1 + exp(-2y)) from e = exp(-2|y|) as silu is: the same function without the cancellation
-// of 1 + tanh(y) for y << 0 (torch's fp32 form loses every digit there, at values below ~1e-6).
-torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kBFloat16, "gelu_tanh_mul: CPU bfloat16");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
-              "gelu_tanh_mul: [T, 2I] contiguous, I a multiple of 16");
+namespace {
+
+// gate_up [T, 2I] (gate | up) -> bf16(bf16(act(gate)) * up) [T, I], act on fp32 vectors.
+template <typename Act>
+torch::Tensor gated_mul(const torch::Tensor& gate_up, const char* op, const Act& act) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kBFloat16, op, ": CPU bfloat16");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, op,
+              ": [T, 2I] contiguous, I a multiple of 16");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
   const bf16* gp = gate_up.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), torch's constants
+  bf16* op_ = out.data_ptr<bf16>();
   at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t)
       for (int64_t i = 0; i < I; i += 16) {
         const v16f g = load16(gp + t * 2 * I + i), u = load16(gp + t * 2 * I + I + i);
-        const v16f y = kBeta * (g + kKappa * g * g * g);
-        const v16f e = exp_nonpos(y > 0.0f ? -2.0f * y : 2.0f * y);
-        store16(round_bf16((y >= 0.0f ? g : g * e) / (1.0f + e)) * u, op + t * I + i);
+        store16(round_bf16(act(g)) * u, op_ + t * I + i);
       }
   });
   return out;
 }
 
-// gate_up [T, 2I] (gate | up) -> bf16(bf16(silu(gate)) * up) [T, I].
+}  // namespace
+
+// SiLU-and-mul. silu(g) = g / (1 + exp(-g)) as torch computes it, from e = exp(-|g|) <= 1 so
+// nothing overflows: g / (1 + e) for g >= 0, g * e / (1 + e) below.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kBFloat16, "silu_mul: CPU bfloat16");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
-              "silu_mul: [T, 2I] contiguous, I a multiple of 16");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  const bf16* gp = gate_up.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t i = 0; i < I; i += 16) {
-        const v16f g = load16(gp + t * 2 * I + i), u = load16(gp + t * 2 * I + I + i);
-        // silu(g) = g / (1 + exp(-g)) as torch computes it, from e = exp(-|g|) <= 1 so nothing
-        // overflows: g / (1 + e) for g >= 0, g * e / (1 + e) below.
-        const v16f e = exp_nonpos(g > 0.0f ? -g : g);
-        const v16f silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
-        store16(round_bf16(silu) * u, op + t * I + i);
-      }
+  return gated_mul(gate_up, "silu_mul", [](v16f g) {
+    const v16f e = exp_nonpos(g > 0.0f ? -g : g);
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
   });
-  return out;
+}
+
+// Gemma's GeGLU: gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), computed
+// as g / (1 + exp(-2y)) from e = exp(-2|y|), as silu is: the same function without the
+// cancellation of 1 + tanh(y) for y << 0 (torch's fp32 form loses every digit there, at values
+// below ~1e-6).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), torch's constants
+  return gated_mul(gate_up, "gelu_tanh_mul", [](v16f g) {
+    const v16f y = kBeta * (g + kKappa * g * g * g);
+    const v16f e = exp_nonpos(y > 0.0f ? -2.0f * y : 2.0f * y);
+    return (y >= 0.0f ? g : g * e) / (1.0f + e);
+  });
 }
 
 // Rotary embedding of x [T, NH, D] (rows may be strided: a view into the fused qkv output) with
