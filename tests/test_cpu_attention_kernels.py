@@ -70,7 +70,7 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(out[0].float(), vb[slots[0, 0]].float().repeat_interleave(g, 0), atol=tol, rtol=tol)
 
 
-def _extend_reference(q, kb, vb, slots, prefix, ext, scale, softcap=None):
+def _extend_reference(q, kb, vb, slots, prefix, ext, scale, softcap=None, window=0):
     outs, start = [], 0
     g = q.shape[1] // kb.shape[1]
     for r in range(len(ext)):
@@ -78,8 +78,9 @@ def _extend_reference(q, kb, vb, slots, prefix, ext, scale, softcap=None):
         k = kb[slots[r, : p + e]].double().repeat_interleave(g, 1)
         v = vb[slots[r, : p + e]].double().repeat_interleave(g, 1)
         s = _capped(torch.einsum("thd,nhd->htn", q[start : start + e].double(), k) * scale, softcap)
-        causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
+        k_pos, q_pos = torch.arange(p + e)[None, :], torch.arange(p, p + e)[:, None]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        s = s.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("htn,nhd->thd", s.softmax(-1), v))
         start += e
     return torch.cat(outs)
@@ -144,6 +145,43 @@ def test_soft_capped_scores_match_reference(dtype, heads, kv_heads, head_dim, so
     got = kernel.extend_attention(eq, kb, vb, slots[:3].contiguous(), prefix, ext, scale, softcap=softcap)
     want = _extend_reference(eq, kb, vb, slots[:3], prefix, ext, scale, softcap)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 4, 256)])
+@pytest.mark.parametrize("window", [1, 5, 40, 64, 100])
+def test_sliding_window_extend_matches_reference(dtype, heads, kv_heads, head_dim, window):
+    """A sliding-window layer's extend: token p sees keys p - window + 1 .. p. Windows narrower than
+    a 16-query block (some queries see nothing of a key block the block reads), at and around the
+    64-key chunks; prefixes longer than the window whose old slots are released (garbage in the
+    table: never read); with Gemma 2's cap; the same bits wherever the chunk starts."""
+    gen = torch.Generator().manual_seed(window + head_dim)
+    pool = 3000
+    prefix = torch.tensor([0, 150, 37, 3], dtype=torch.int64)
+    ext = torch.tensor([90, 40, 1, 20], dtype=torch.int64)
+    width = int((prefix + ext).max()) + 2
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in ext])
+    for r in range(len(ext)):  # released: before the first new token's window
+        slots[r, : max(0, int(prefix[r]) - window + 1)] = -7
+    kb = (torch.randn(pool, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    vb = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(int(ext.sum()), heads, head_dim, generator=gen) * 2).to(dtype)
+    scale, tol = head_dim**-0.5, (1e-5 if dtype == torch.float32 else 1e-2)
+    for cap in (None, 3.0):
+        out = kernel.extend_attention(q, kb, vb, slots, prefix, ext, scale, cap, window)
+        want = _extend_reference(q, kb, vb, slots.clamp(min=0), prefix, ext, scale, cap, window)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    # request 0's tokens again as a chunk starting at 45: the same bits for each of them
+    full = kernel.extend_attention(q[:90], kb, vb, slots[:1], prefix[:1], ext[:1], scale, None, window)
+    tail = kernel.extend_attention(
+        q[45:90], kb, vb, slots[:1], torch.tensor([45]), torch.tensor([45]), scale, None, window
+    )
+    assert torch.equal(full[45:], tail)
+    # a window at least the sequence is plain causal attention
+    wide = kernel.extend_attention(q[:90], kb, vb, slots[:1], prefix[:1], ext[:1], scale, None, 1000)
+    assert torch.equal(wide, kernel.extend_attention(q[:90], kb, vb, slots[:1], prefix[:1], ext[:1], scale))
+    with pytest.raises(RuntimeError):  # a released slot inside a wider window
+        kernel.extend_attention(q[90:130], kb, vb, slots[1:2], prefix[1:2], ext[1:2], scale, None, 200)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

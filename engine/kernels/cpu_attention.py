@@ -80,14 +80,19 @@ def extend_attention(
     extend_lens: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves: `[T, H, D]`.
 
     q `[T, H, D]` (requests' new tokens back to back); slots int64 `[R, L]`, row r holding
     request r's `prefix_lens[r] + extend_lens[r]` slots (the new tokens' K/V already written);
-    prefix_lens/extend_lens int64 `[R]` (extend >= 1); `softcap` as `decode_attention`'s.
+    prefix_lens/extend_lens int64 `[R]` (extend >= 1); `softcap` as `decode_attention`'s. `window`
+    > 0: a sliding-window layer, the token at position p sees keys p - window + 1 .. p only (the
+    row's slots before its first token's window are never read: they may be released).
     """
     module = module_or_raise()
     cap = softcap or 0.0
     with torch.profiler.record_function("asyncllm::cpu_extend_attention"):
-        return module.extend_attention(q.contiguous(), k_buf, v_buf, slots, prefix_lens, extend_lens, scale, cap)
+        return module.extend_attention(
+            q.contiguous(), k_buf, v_buf, slots, prefix_lens, extend_lens, scale, cap, window
+        )

@@ -14,8 +14,8 @@ Gemma 2 also squashes every attention score through `cap * tanh(score / cap)` be
   verify, one decode query per token, as the CPU backend does, so speculation never changes a
   greedy token) reads each query's last `window` slots: through the C++ decode kernel over those
   slots when the wrapped backend is the kernels' (the soft-cap inside it), else as one batched
-  pair of matmuls over them. Extend is one SDPA per request with a window mask (explicit scores
-  when soft-capped: SDPA has no cap).
+  pair of matmuls over them. Extend runs the C++ extend kernel with the window there, else one
+  SDPA per request with a window mask (explicit scores when soft-capped: SDPA has no cap).
 
 With hybrid SWA memory (engine/cache/swa_pool.py) the local layers' buffers are indexed by SWA
 slots: they run on a view of the forward (`swa_view`) whose request table and output slots are in
@@ -80,8 +80,8 @@ def _window_rows(
 
 
 class WindowPlan:
-    """One forward's windowed / soft-capped attention (see the module docstring); `kernel`: decode
-    queries through the C++ decode kernel."""
+    """One forward's windowed / soft-capped attention (see the module docstring); `kernel`: through
+    the C++ kernels."""
 
     def __init__(
         self, layout: HeadLayout, softcap: float | None, windows: set[int], fb: ForwardBatch, kernel: bool = False
@@ -103,6 +103,11 @@ class WindowPlan:
                 self.decode_rows[w] = _window_rows(table, rows.to(torch.int64), lens.to(torch.int64), w)
             # the kernel's lengths: each query's visible count (its padding trails its slots)
             self.kernel_lens = {w: (~pad).sum(1) for w, (_, pad) in self.decode_rows.items()} if kernel else {}
+        elif kernel:  # every request's row of the table (in this view's slots), as CpuAttnBackend reads it
+            assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+            max_seq = max(p + e for p, e in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
+            self.extend_rows = table[fb.req_pool_indices, :max_seq].to(torch.int64)
+            self.prefix_lens, self.extend_lens = fb.extend_prefix_lens, fb.extend_seq_lens
         else:
             start = 0
             per = zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
@@ -121,6 +126,11 @@ class WindowPlan:
                 return out.view(slots.shape[0], -1)
             return attend_window_rows(q, kb, vb, slots, pad, self.layout, self.softcap)
         layout = self.layout
+        if self.kernel:
+            q3 = q.view(q.shape[0], layout.num_heads, layout.head_dim)
+            rows, prefix, ext = self.extend_rows, self.prefix_lens, self.extend_lens
+            out = cpu_attention.extend_attention(q3, kb, vb, rows, prefix, ext, layout.scaling, self.softcap, window)
+            return out.view(q.shape[0], -1)
         out = torch.empty(q.shape[0], layout.num_heads * layout.head_dim, dtype=q.dtype, device=q.device)
         for s, ext, prefix, row in self.extend:
             seq = prefix + ext

@@ -13,7 +13,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
                                             torch::Tensor slots, torch::Tensor lens, double scale,
                                             std::optional<torch::Tensor> query_starts, double softcap);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap);
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap,
+                               int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -67,7 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_starts") = py::none(), py::arg("softcap") = 0.0);
   m.def("extend_attention", &extend_attention, "paged causal extend/prefill attention on CPU", py::arg("q"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("slots"), py::arg("prefix_lens"), py::arg("extend_lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("window") = 0);
   m.def("attention_bf16dot_built", &asyncllm::attention_bf16dot_built,
         "whether bf16 decode attention reads a slot row once for all its queries (vdpbf16ps kernels)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");

@@ -84,12 +84,12 @@ inline void init_row(RowState<NV>& st) {
 }
 
 // One block of keys for one query row: scores (soft-capped when cap > 0), the online-softmax
-// update, P @ V. krow/vrow: the block's K and V rows, read in place; only the first `cnt` count
-// (the rest repeat a real row).
+// update, P @ V. krow/vrow: the block's K and V rows, read in place; only keys from .. cnt - 1
+// count (the rest repeat a real row; `from` > 0: a window starts inside the block), at least one.
 template <int NV, typename T>
 inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow, int cnt, float cap,
-                         RowState<NV>& st) {
-  const vi valid = lanes_below(cnt);
+                         RowState<NV>& st, int from = 0) {
+  const vi valid = from > 0 ? lanes_below(cnt) & ~lanes_below(from) : lanes_below(cnt);
   vf s = score_tree<kKeys, NV>(q, krow);
   if (cap > 0.0f) s = softcap(s, cap);
   s = valid ? s : broadcast(-std::numeric_limits<float>::infinity());
@@ -101,7 +101,7 @@ inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow
   st.run_max = new_max;
   vf a[NV];
   for (int j = 0; j < NV; ++j) a[j] = st.acc[j] * alpha;
-  for (int t = 0; t < cnt; ++t) {
+  for (int t = from; t < cnt; ++t) {
     const vf w = broadcast(p[t]);
     const T* v = vrow[t];
     for (int j = 0; j < NV; ++j) a[j] = fmadd(w, load(v + kWidth * j), a[j]);
@@ -109,12 +109,13 @@ inline void attend_block(const vf* q, const T* const* krow, const T* const* vrow
   for (int j = 0; j < NV; ++j) st.acc[j] = a[j];
 }
 
-// The K/V row pointers of one KV head for slots sl[0 .. cnt), padded to a whole block with the first.
+// The K/V row pointers of one KV head for slots sl[0 .. cnt), padded to a whole block with the
+// first read one; slots before `first` (outside every query's window) read as slot `first`'s.
 template <typename T>
 inline void block_rows(const T* kb, const T* vb, const int64_t* sl, int cnt, int64_t row, int64_t head_off,
-                       const T** krow, const T** vrow) {
+                       const T** krow, const T** vrow, int first = 0) {
   for (int t = 0; t < kKeys; ++t) {
-    const int64_t off = sl[t < cnt ? t : 0] * row + head_off;
+    const int64_t off = sl[t < cnt && t >= first ? t : first] * row + head_off;
     krow[t] = kb + off;
     vrow[t] = vb + off;
   }
@@ -177,7 +178,7 @@ void decode_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, c
 template <int NV, typename T>
 void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L, const int64_t* prefix,
                    const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H, int64_t KVH, float scale,
-                   float cap) {
+                   float cap, int64_t window) {
   constexpr int64_t D = NV * kWidth;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
@@ -204,15 +205,22 @@ void extend_kernel(const T* q, const T* kb, const T* vb, const int64_t* slots, i
           for (int j = 0; j < NV; ++j) qv[(i * G + g) * NV + j] = load(qr + kWidth * j) * scale;
           init_row(st[i * G + g]);
         }
-      for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeys) {
+      // A window: no query of the block sees a key before `lo`; blocks stay aligned to kKeys
+      // from position 0, so a token's sums do not depend on where its prefill chunk starts.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      for (int64_t t0 = lo / kKeys * kKeys; t0 <= last_pos; t0 += kKeys) {
         const int cnt = static_cast<int>(last_pos + 1 - t0 < kKeys ? last_pos + 1 - t0 : kKeys);
-        block_rows(kb, vb, sl + t0, cnt, row, kh * D, krow, vrow);
-        // Query i sees keys 0..first_pos + i: the block's first t0 - first_pos queries see none of it.
+        block_rows(kb, vb, sl + t0, cnt, row, kh * D, krow, vrow, static_cast<int>(lo > t0 ? lo - t0 : 0));
+        // Query i sees keys 0..first_pos + i (a window: from first_pos + i - window + 1): the
+        // block's first t0 - first_pos queries see none of it.
         for (int64_t i = t0 > first_pos ? t0 - first_pos : 0; i < nq; ++i) {
           const int64_t seen = first_pos + i + 1 - t0;
           const int upto = static_cast<int>(seen < cnt ? seen : cnt);
+          const int64_t start = window > 0 ? first_pos + i - window + 1 - t0 : 0;
+          if (start >= upto) continue;  // the window starts past this block
+          const int from = static_cast<int>(start > 0 ? start : 0);
           for (int64_t g = 0; g < G; ++g)
-            attend_block<NV>(qv.data() + (i * G + g) * NV, krow, vrow, upto, cap, st[i * G + g]);
+            attend_block<NV>(qv.data() + (i * G + g) * NV, krow, vrow, upto, cap, st[i * G + g], from);
         }
       }
       for (int64_t i = 0; i < nq; ++i)
@@ -240,14 +248,14 @@ void dispatch_head_dim(int64_t D, const T* q, const T* kb, const T* vb, const in
 template <typename T>
 void dispatch_extend(int64_t D, const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
                      const int64_t* prefix, const int64_t* ext, const int64_t* qstart, int64_t R, T* out, int64_t H,
-                     int64_t KVH, float scale, float cap) {
+                     int64_t KVH, float scale, float cap, int64_t w) {
   switch (D) {
     case 64:
-      return extend_kernel<64 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
+      return extend_kernel<64 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, w);
     case 128:
-      return extend_kernel<128 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
+      return extend_kernel<128 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, w);
     case 256:
-      return extend_kernel<256 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap);
+      return extend_kernel<256 / kWidth, T>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, w);
     default:
       TORCH_CHECK(false, "extend_attention: head_dim 64, 128 or 256, got ", D);
   }
@@ -322,7 +330,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
 }
 
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap) {
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap,
+                               int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu() && v_buf.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q [T, H, D], k/v [S, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "contiguous q, k, v");
@@ -339,9 +348,13 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::vector<int64_t> qstart(R);
   int64_t total = 0;
+  TORCH_CHECK(window >= 0, "window: > 0, or 0 for none");
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(pp[r] >= 0 && ep[r] >= 1 && pp[r] + ep[r] <= L, "length out of range");
-    for (int64_t t = 0; t < pp[r] + ep[r]; ++t) TORCH_CHECK(sp[r * L + t] >= 0 && sp[r * L + t] < S, "slot out of range");
+    // a window's keys only: slots before the first query's window are never read
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pp[r] - window + 1) : 0;
+    for (int64_t t = first; t < pp[r] + ep[r]; ++t)
+      TORCH_CHECK(sp[r * L + t] >= 0 && sp[r * L + t] < S, "slot out of range");
     qstart[r] = total;
     total += ep[r];
   }
@@ -351,14 +364,14 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (q.scalar_type() == torch::kFloat) {
     dispatch_extend<float>(D, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), sp, L, pp, ep,
-                           qstart.data(), R, out.data_ptr<float>(), H, KVH, sc, cap);
+                           qstart.data(), R, out.data_ptr<float>(), H, KVH, sc, cap, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
     if (asyncllm::extend_attention_bf16dot(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, L, pp,
-                                           ep, qstart.data(), R, out.data_ptr<bf>(), H, KVH, sc, cap))
+                                           ep, qstart.data(), R, out.data_ptr<bf>(), H, KVH, sc, cap, window))
       return out;
     dispatch_extend<bf>(D, q.data_ptr<bf>(), k_buf.data_ptr<bf>(), v_buf.data_ptr<bf>(), sp, L, pp, ep, qstart.data(),
-                        R, out.data_ptr<bf>(), H, KVH, sc, cap);
+                        R, out.data_ptr<bf>(), H, KVH, sc, cap, window);
   } else {
     TORCH_CHECK(false, "extend_attention: float32 or bfloat16 only");
   }

@@ -333,7 +333,7 @@ template <int NV>
 void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                            const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                            const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
-                           float scale, float cap) {
+                           float scale, float cap, int64_t window) {
   constexpr int DW = NV / 2, DP = NV * 8;  // bf16 vectors and bf16 pairs per head row
   constexpr int64_t D = NV * 16;
   constexpr int RB = 8 / DW;  // rows per pv_rows call: 16 accumulators
@@ -376,10 +376,15 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
         run_sum[g] = _mm512_setzero_ps();
       }
       for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t c0 = 0; c0 <= last_pos; c0 += kKeys) {
+      // A window: no query of the block sees a key before `lo`. Chunks stay aligned to kKeys
+      // from position 0 (a token's sums do not depend on where its prefill chunk starts); keys
+      // of the first chunk before `lo` are masked, their rows read as key lo's (the table may
+      // hold released slots there).
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      for (int64_t c0 = lo / kKeys * kKeys; c0 <= last_pos; c0 += kKeys) {
         const int cn = static_cast<int>(last_pos + 1 - c0 < kKeys ? last_pos + 1 - c0 : kKeys);
         for (int k = 0; k < cn; ++k) {
-          const int64_t off = sl[c0 + k] * row + kh * D;
+          const int64_t off = sl[std::max(c0 + k, lo)] * row + kh * D;
           krows[k] = kb + off;
           vrows[k] = vb + off;
         }
@@ -393,21 +398,27 @@ void extend_kernel_bf16dot(const c10::BFloat16* q, const c10::BFloat16* kb, cons
         score_chunk<DP>(qt.data(), G, krows.data(), cn, S.data());
         if (cap > 0.0f)  // scaled and capped here; `eff` below is then 1
           for (int k = 0; k < cn * G; ++k) S[k] = (__m512)softcap((v16f)S[k] * scale, cap);
-        // Causal mask (key c0 + k is seen by queries i >= c0 + k - first_pos), running max, exp.
+        // Causal mask (key c0 + k is seen by queries i >= c0 + k - first_pos) and, with a window,
+        // by queries i < c0 + k - first_pos + window only; running max, exp. A lane that has seen
+        // no key yet (max -inf) takes 0 as its max here: its exps and rescale are then exact zeros,
+        // not NaN (inf - inf).
         const int npairs = (cn + 1) / 2;
         for (int g = 0; g < G; ++g) {
           __m512 mx = run_max[g];
           for (int k = 0; k < cn; ++k) {
             __m512 sc = S[k * G + g];
             const int64_t hidden = c0 + k - first_pos;  // queries below this lane do not see key k
-            if (hidden > 0) {
-              const v16i seen = ~lanes_below(hidden);
+            const bool past = window > 0 && hidden + window < kQueries;  // lanes from hidden + window on
+            if (hidden > 0 || past) {
+              v16i seen = hidden > 0 ? ~lanes_below(hidden) : lanes_below(kQueries);
+              if (past) seen &= lanes_below(hidden + window);
               sc = (__m512)(seen ? (v16f)sc : splat(neg_inf));
               S[k * G + g] = sc;
             }
             mx = _mm512_max_ps(mx, sc);
           }
-          const __m512 neg_m = _mm512_mul_ps(mx, _mm512_set1_ps(-eff));
+          const v16f safe_max = (v16f)mx == splat(neg_inf) ? splat(0.0f) : (v16f)mx;
+          const __m512 neg_m = _mm512_mul_ps((__m512)safe_max, _mm512_set1_ps(-eff));
           alpha[g] = (__m512)exp_nonpos((v16f)_mm512_fmadd_ps(run_max[g], _mm512_set1_ps(eff), neg_m));
           run_max[g] = mx;
           __m512 sum = _mm512_setzero_ps();
@@ -483,11 +494,11 @@ bool attention_bf16dot_built() { return true; }
 bool extend_attention_bf16dot(int64_t D, const c10::BFloat16* q, const c10::BFloat16* kb, const c10::BFloat16* vb,
                               const int64_t* slots, int64_t L, const int64_t* prefix, const int64_t* ext,
                               const int64_t* qstart, int64_t R, c10::BFloat16* out, int64_t H, int64_t KVH,
-                              float scale, float cap) {
+                              float scale, float cap, int64_t window) {
   switch (D) {
-    case 64: extend_kernel_bf16dot<4>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
-    case 128: extend_kernel_bf16dot<8>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
-    case 256: extend_kernel_bf16dot<16>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap); break;
+    case 64: extend_kernel_bf16dot<4>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, window); break;
+    case 128: extend_kernel_bf16dot<8>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, window); break;
+    case 256: extend_kernel_bf16dot<16>(q, kb, vb, slots, L, prefix, ext, qstart, R, out, H, KVH, scale, cap, window); break;
     default: return false;
   }
   return true;
@@ -506,7 +517,7 @@ bool decode_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16
 }
 bool extend_attention_bf16dot(int64_t, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                               const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
-                              c10::BFloat16*, int64_t, int64_t, float, float) {
+                              c10::BFloat16*, int64_t, int64_t, float, float, int64_t) {
   return false;
 }
 }  // namespace asyncllm

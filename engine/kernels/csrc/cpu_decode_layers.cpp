@@ -44,7 +44,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
                                             torch::Tensor slots, torch::Tensor lens, double scale,
                                             std::optional<torch::Tensor> query_starts, double softcap);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap);
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, double softcap,
+                               int64_t window);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                       int64_t n_out, bool vectorized);
 torch::Tensor q8_blocks_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -314,7 +315,7 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     const torch::Tensor q = qk.narrow(1, 0, h).contiguous();
     const torch::Tensor attn =
         prefix_lens.has_value()
-            ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_, 0.0)
+            ? extend_attention(q, layer.k_buffer, layer.v_buffer, slots, *prefix_lens, lens, scaling_, 0.0, 0)
             : decode_attention(q, layer.k_buffer, layer.v_buffer, slots, lens, scaling_, query_starts, 0.0)[0];
     const torch::Tensor attn_out = project(attn.view({t, h * d}), layer.o, layer.lora[1]);
     torch::Tensor normed;
