@@ -85,7 +85,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.unit_offset = unit_offset
         self.uses_cpu_kernel = not weight_before_cast and fused_norm_applies(hidden_size, device, dtype)
         torch_form = rms_norm_unit_offset if unit_offset else rms_norm_weight_first if weight_before_cast else rms_norm
         kernel = cpu_elementwise.rms_norm_unit_offset if unit_offset else cpu_elementwise.rms_norm
