@@ -37,26 +37,26 @@ inline v16f round_bf16(v16f x) {
   return load16(tmp);
 }
 
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)) for one row of n (a multiple of 16) values.
-inline void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+// 1 / sqrt(mean(x^2) + eps) of one row of n (a multiple of 16) values, sums of squares in fp32.
+inline float inv_rms(const bf16* x, int64_t n, float eps) {
   v16f ss = splat(0.0f);
   for (int64_t i = 0; i < n; i += 16) {
     const v16f v = load16(x + i);
     ss += v * v;
   }
-  const float r = 1.0f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
+  return 1.0f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
+}
+
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)) for one row of n (a multiple of 16) values.
+inline void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+  const float r = inv_rms(x, n, eps);
   for (int64_t i = 0; i < n; i += 16) store16(load16(w + i) * round_bf16(load16(x + i) * r), out + i);
 }
 
 // Gemma's RMSNorm: out = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), the scale applied in fp32
 // before the one rounding (transformers' Gemma order; its weight is an offset from 1).
 inline void unit_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
-  v16f ss = splat(0.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const v16f v = load16(x + i);
-    ss += v * v;
-  }
-  const float r = 1.0f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
+  const float r = inv_rms(x, n, eps);
   for (int64_t i = 0; i < n; i += 16) store16(load16(x + i) * r * (1.0f + load16(w + i)), out + i);
 }
 
@@ -68,18 +68,25 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* op) 
   TORCH_CHECK(w.size(0) == x.size(1) && x.size(1) % 16 == 0, op, ": weight size must be N, N a multiple of 16");
 }
 
-}  // namespace
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_rows(x, w, "rms_norm");
+// `row_norm` (rms_norm_row or unit_norm_row) of every row of x into a new tensor.
+template <typename RowNorm>
+torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, const char* op,
+                        const RowNorm& row_norm) {
+  check_rows(x, w, op);
   auto out = torch::empty_like(x);
   const int64_t T = x.size(0), N = x.size(1);
   const bf16 *xp = x.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
   at::parallel_for(0, T, grain_rows(N), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) rms_norm_row(xp + t * N, wp, op + t * N, N, static_cast<float>(eps));
+    for (int64_t t = b; t < e; ++t) row_norm(xp + t * N, wp, o + t * N, N, static_cast<float>(eps));
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  return norm_rows(x, w, eps, "rms_norm", rms_norm_row);
 }
 
 // x <- bf16(x + y) in place (the residual stream), then returns rms_norm(x).
@@ -103,15 +110,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
 }
 
 torch::Tensor rms_norm_unit_offset(torch::Tensor x, torch::Tensor w, double eps) {
-  check_rows(x, w, "rms_norm_unit_offset");
-  auto out = torch::empty_like(x);
-  const int64_t T = x.size(0), N = x.size(1);
-  const bf16 *xp = x.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, T, grain_rows(N), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) unit_norm_row(xp + t * N, wp, op + t * N, N, static_cast<float>(eps));
-  });
-  return out;
+  return norm_rows(x, w, eps, "rms_norm_unit_offset", unit_norm_row);
 }
 
 // Gemma's sandwich step: x <- bf16(x + unit_norm(y, w)) in place (the residual stream: the norm
