@@ -55,7 +55,7 @@ def weight_bytes_per_step(model: torch.nn.Module, rows: int = 1) -> dict[str, in
         if kind == "QuantLinear" and (rows <= module.max_rows or tiles):
             inside_quant.append(name)
             out["lm head" if name.endswith("lm_head") else "int4 linears"] += module.packed.nbytes
-        elif kind in ("DenseLinear", "OneDNNLinear", "QuantLinear"):
+        elif kind in ("DenseLinear", "OneDNNLinear", "VnniLinear", "QuantLinear"):
             size = module.out_features * module.in_features * _dtype_bytes(module)
             out["lm head" if name.endswith("lm_head") else "dense linears"] += size
         elif kind == "FusedMoE":  # the router, and each row's top-k experts (distinct ones at most all)
@@ -74,7 +74,7 @@ def _dtype_bytes(module: torch.nn.Module) -> int:
     if isinstance(weight, torch.Tensor):
         return weight.element_size()
     bias = getattr(module, "bias", None)
-    return bias.element_size() if isinstance(bias, torch.Tensor) else 2  # oneDNN packs bf16
+    return bias.element_size() if isinstance(bias, torch.Tensor) else 2  # oneDNN's and VNNI pairs are bf16
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

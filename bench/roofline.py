@@ -48,8 +48,9 @@ def model_shapes(cfg) -> dict[str, int | list[tuple[int, int]]]:
 
 
 def gemm_rate(shapes: list[tuple[int, int]], dtype: torch.dtype, threads: int, rows=(64, 512)) -> float:
-    """The best FLOP/s of one layer's projections (hot weights, prepacked for oneDNN in bf16 as the
-    engine runs them) over `rows` rows, best of several passes."""
+    """The best FLOP/s of one layer's projections (hot weights; bf16 prepacked for oneDNN, the
+    library's rate, which the engine's own VNNI-pair GEMM matches where it runs, docs/PERFORMANCE.md)
+    over `rows` rows, best of several passes."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(dtype) for k, n in shapes]

@@ -19,8 +19,15 @@ import torch
 
 from engine import SyncScheduler
 from engine.errors import InvalidServerArgsError
-from engine.kernels import cpu_extension, cpu_quant
-from engine.layers.linear import BatchInvariantLinear, DenseLinear, RowTiles, finalize_linear, onednn_bf16_available
+from engine.kernels import cpu_extension, cpu_quant, cpu_vnni
+from engine.layers.linear import (
+    BatchInvariantLinear,
+    DenseLinear,
+    RowTiles,
+    VnniLinear,
+    finalize_linear,
+    onednn_bf16_available,
+)
 from engine.model_executor.model_runner import ModelRunner
 from engine.models import llama
 from engine.sampling import SamplingParams
@@ -140,7 +147,9 @@ def test_every_projection_runs_in_fixed_row_tiles(deterministic):
     assert (tiles.decode, tiles.extend) == want
     assert (RowTiles.for_weights(torch.float32, torch.device("cpu")).decode, RowTiles.DECODE) == (64, 64)
     if cpu_quant.vectorized():  # the fused decode loop is built (AVX512-BF16) and runs on the tiles too
-        assert model.fused_decode is not None and model.fused_decode.tiled
+        # (VNNI pairs need no tiles: without blocks, the loop takes every forward)
+        vnni = all(isinstance(m.inner, VnniLinear) for m in projections)
+        assert model.fused_decode is not None and model.fused_decode.tiled == (tiles.decode_blocks or not vnni)
         # decode-like forwards run the GGUF's blocks (Q4_1 layers, Q8_0 head) at every row count
         # where they beat the padded tiles here (measured at load: AMX runs the tiles fast)
         assert all((m.blocks is not None) == tiles.decode_blocks for m in projections)
@@ -288,8 +297,9 @@ def test_block_forms_give_a_decode_row_the_same_bits_in_any_batch(kind, dtype):
 
 @pytest.mark.skipif(not cpu_quant.vectorized(), reason="no AVX512-BF16 build: no bf16 block loops")
 def test_bf16_decode_takes_the_blocks_only_where_they_beat_the_tiles(default_source, monkeypatch):
-    """The load-time measurement decides; where the padded tiles win (an AMX CPU), no projection
-    keeps its blocks and the fused loop runs the tiles."""
+    """The load-time measurement decides; where the dense form wins (padded tiles on an AMX CPU),
+    no projection keeps its blocks and the fused loop runs the tiles, or (VNNI pairs, whose rows
+    need no tiles) takes every forward."""
     tiles = RowTiles.for_weights(torch.bfloat16, torch.device("cpu"))
     assert tiles.decode_blocks == onednn_bf16_available()  # a candidate wherever the tiles are oneDNN's
     for wins in (False, True):
@@ -298,7 +308,9 @@ def test_bf16_decode_takes_the_blocks_only_where_they_beat_the_tiles(default_sou
         invariant = [m for m in model.modules() if isinstance(m, BatchInvariantLinear)]
         assert model.row_tiles.decode_blocks == wins
         assert invariant and all((m.blocks is not None) == wins for m in invariant)
-        assert model.fused_decode is not None and model.fused_decode.tiled
+        vnni = all(isinstance(m.inner, VnniLinear) for m in invariant)
+        assert vnni == cpu_vnni.available()
+        assert model.fused_decode is not None and model.fused_decode.tiled == (wins or not vnni)
 
 
 def test_mixed_chunk_is_refused(default_source):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import SyncScheduler
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_quant, cpu_vnni
 from engine.layers.linear import QuantLinear
 from engine.layers.q8 import Q8Weight
 from engine.model_executor.model_runner import ModelRunner
@@ -69,11 +69,13 @@ def test_fused_path_only_where_it_applies(default_source):
 
 
 def test_the_blocks_alone_run_every_row_count_fused(default_source, monkeypatch):
-    """Without oneDNN's prepacked form (bf16 dense weights stay F.linear, which the loop does not
-    run) the block forms still take any forward: past the bound, their dequantized tiles."""
+    """Without a dense kernel form (no VNNI pairs nor oneDNN's prepacked form: bf16 dense weights
+    stay F.linear, which the loop does not run) the block forms still take any forward: past the
+    bound, their dequantized tiles."""
     import engine.layers.linear as linear
 
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(cpu_vnni, "available", lambda: False)
     model = _runner(default_source).model
     fused = model.fused_decode
     assert fused is not None

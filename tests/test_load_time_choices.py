@@ -15,11 +15,18 @@ import weakref
 import pytest
 import torch
 
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_quant, cpu_vnni
 from engine.layers import int4_crossover
 from engine.layers.activation import SiluAndMul
 from engine.layers.int4 import TiledQ4Weight, int4_kernel_available
-from engine.layers.linear import DenseLinear, DequantTilesLinear, OneDNNLinear, QuantLinear, onednn_bf16_available
+from engine.layers.linear import (
+    DenseLinear,
+    DequantTilesLinear,
+    OneDNNLinear,
+    QuantLinear,
+    VnniLinear,
+    onednn_bf16_available,
+)
 from engine.layers.norm import AddRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.model_executor.model_runner import ModelRunner
@@ -117,10 +124,11 @@ def test_kernels_off_keeps_torch_ops(default_source, monkeypatch):
 
 @needs_fast_paths
 def test_hf_folder_bf16_has_no_int4_form(tiny_folder):
-    """No 4-bit weights in a Hugging Face folder: oneDNN forms only; head size 16: torch attention,
-    hidden size 64: fused norms."""
+    """No 4-bit weights in a Hugging Face folder: dense forms only (VNNI pairs on AVX512-BF16 without
+    AMX, else oneDNN's); head size 16: torch attention, hidden size 64: fused norms."""
     runner = _runner(resolve_model(str(tiny_folder)), dtype="bfloat16", q4_max_tokens=16)
-    assert all(type(p) is OneDNNLinear for p in _projections(runner.model))
+    dense = VnniLinear if cpu_vnni.available() else OneDNNLinear
+    assert all(type(p) is dense for p in _projections(runner.model))
     assert runner.attn_backend_name == "torch" and runner.model.norm.uses_cpu_kernel
 
 
@@ -253,7 +261,7 @@ def test_untied_head_weight_is_freed(tiny_folder):
     assert head() is not model.embed_tokens.weight
     model.process_weights_after_loading(q4, 0)
     gc.collect()
-    assert head() is None and isinstance(model.lm_head, OneDNNLinear)
+    assert head() is None and isinstance(model.lm_head, VnniLinear if cpu_vnni.available() else OneDNNLinear)
 
 
 def test_fp32_keeps_its_dense_weights(tiny_folder):

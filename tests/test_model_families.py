@@ -29,8 +29,8 @@ from bench.gpu_parity import teacher_forced
 from engine import ContextLengthExceededError, SyncScheduler
 from engine.distributed.driver import TPDriver
 from engine.errors import ModelLoadError
-from engine.kernels import cpu_quant
-from engine.layers.linear import OneDNNLinear, onednn_bf16_available
+from engine.kernels import cpu_quant, cpu_vnni
+from engine.layers.linear import OneDNNLinear, VnniLinear, onednn_bf16_available
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.loader import SUPPORTED_ARCHITECTURES, resolve_model
 from engine.sampling import SamplingParams
@@ -214,7 +214,9 @@ def test_bf16_greedy_tokens_are_transformers_top_choices(name, tmp_path):
     model = runner.model
     if cpu_quant.vectorized():
         assert (model.fused_decode is not None) == fused_loop, name
-    if onednn_bf16_available():
+    if cpu_vnni.available():  # bf16 dense weights in VNNI pairs (AVX512-BF16, no AMX), else oneDNN's
+        assert isinstance(model.layers[0].self_attn.qkv_proj, VnniLinear)
+    elif onednn_bf16_available():
         assert isinstance(model.layers[0].self_attn.qkv_proj, OneDNNLinear)
     assert_bf16_bar(runner, hf, name, vocab=512, lengths=(4, 37, 12, 60, 20, 90), new_tokens=24)
 

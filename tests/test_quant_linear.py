@@ -19,10 +19,17 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
 from engine import SyncScheduler
 from engine.errors import InvalidRequestError
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_quant, cpu_vnni
 from engine.layers import int4, linear
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks
-from engine.layers.linear import DenseLinear, DequantTilesLinear, OneDNNLinear, QuantLinear, finalize_linear
+from engine.layers.linear import (
+    DenseLinear,
+    DequantTilesLinear,
+    OneDNNLinear,
+    QuantLinear,
+    VnniLinear,
+    finalize_linear,
+)
 from engine.model_executor.model_runner import ModelRunner
 from engine.models.gguf_blocks import q4_blocks
 from engine.models.loader import resolve_model
@@ -344,7 +351,8 @@ def test_runner_prepacks_only_in_bf16(bf16_runners, default_source):
     else:
         assert isinstance(head, OneDNNLinear)
     assert isinstance(head, QuantLinear) == cpu_quant.vectorized()
-    assert isinstance(dense.model.lm_head, OneDNNLinear)  # q4_max_tokens=0: no quantized form at all
-    assert isinstance(dense.model.layers[0].mlp.down_proj, OneDNNLinear)
+    dense_form = VnniLinear if cpu_vnni.available() else OneDNNLinear  # q4_max_tokens=0: no quantized form
+    assert isinstance(dense.model.lm_head, dense_form)
+    assert isinstance(dense.model.layers[0].mlp.down_proj, dense_form)
     fp32 = _runner(default_source, dtype="float32", q4_max_tokens=0)
     assert type(fp32.model.layers[0].self_attn.qkv_proj) is DenseLinear and type(fp32.model.lm_head) is DenseLinear

@@ -39,6 +39,7 @@ SOURCES = (
     "cpu_quant_gemv_f32.cpp",
     "cpu_quant_lanes.cpp",
     "cpu_quant_tiles.cpp",
+    "cpu_vnni_linear.cpp",
     "cpu_gemv.cpp",
     "cpu_decode_layers.cpp",
     "cpu_moe_quant.cpp",

@@ -20,9 +20,9 @@ one rank, a CPU, Llama-style layers with SiLU (projection biases as Qwen2 has th
 norm included; `model.llama_layers`: not Granite's residual multiplier nor OLMo 2's post-norms and
 whole q/k norm; Phi-3 once its fused tensors are split, unless its rotary is partial, which has no
 form here), a KV pool of the model's dtype, and either bf16 with the fused elementwise kernels and
-every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or prepacked for
-oneDNN, or fp32 with every projection dense and/or in our fp32-activation block forms; a MoE
-layer's MLP (the router's torch ops, then, as `FusedMoE.forward`, its experts in blocks,
+every projection in our 4-bit or Q8_0 form (a GGUF's, or `--torchao-config`'s) and/or dense (VNNI
+pairs, or prepacked for oneDNN), or fp32 with every projection dense and/or in our fp32-activation
+block forms; a MoE layer's MLP (the router's torch ops, then, as `FusedMoE.forward`, its experts in blocks,
 moe_quant.py, or its dense experts' one-call kernel, cpu_moe.cpp, in forwards within the kernel's
 pairs bound: larger ones keep the Python layers).
 A forward then takes it when its attention plan is the plain kernel decode or extend (a decode
@@ -37,11 +37,12 @@ Multi-LoRA: given the LoRA pool (CPU buffers in the model's dtype, the torch pat
 engine/lora/ops.py's arithmetic and roundings, another summation order), instead of the forward
 leaving the loop for the Python layers. An fp32 forward with adapter rows keeps the Python layers.
 
-Deterministic inference: every projection is a `BatchInvariantLinear` over its oneDNN weight (or,
-fp32, its plain weight); the loop runs each on its block form at every row count where it has one
-(`RowTiles.decode_blocks`), else decode's row tiles (`RowTiles.DECODE`, the same padded calls;
-fp32: cpu_gemv's fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so it takes
-decode-like forwards (decode, verify) only, bit-identical to the Python layers there.
+Deterministic inference: every projection is a `BatchInvariantLinear` over its VNNI or oneDNN
+weight (or, fp32, its plain weight); the loop runs each on its block form at every row count where
+it has one (`RowTiles.decode_blocks`), else decode's row tiles (`RowTiles.DECODE`, the same padded
+calls; fp32: cpu_gemv's fixed-order loop in groups of its MAX_ROWS, as `gemv_groups`), so it takes
+decode-like forwards (decode, verify) only, bit-identical to the Python layers there. A model whose
+VNNI weights are its only forms takes every forward: their rows need no tiles.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from engine.layers.linear import (
     QuantLinear,
     QuantParts,
     RowTiles,
+    VnniLinear,
     native_blocks,
 )
 from engine.layers.moe import FusedMoE
@@ -77,7 +79,7 @@ class _Form(NamedTuple):
     """A projection as the C++ loop takes it (csrc/decode_layers.h `Projection`)."""
 
     # the quantized form (4-bit tiles: codes, scales, offsets; Q8_0: int8 codes, scales) and/or
-    # the dense weight (bf16: oneDNN-packed; fp32: the plain weight)
+    # the dense weight (bf16: in VNNI pairs or oneDNN-packed; fp32: the plain weight)
     parts: list[torch.Tensor]
     out_features: int
     q4_rows: int | None  # the quantized form's row bound; None: no quantized form
@@ -107,6 +109,14 @@ def _form(module: Any) -> _Form | None:
         # decode-like forwards only (`plan`): their tile, as `RowTiles.select` picks it, or (fp32)
         # the fixed-order loop's groups
         inner = module.inner
+        if isinstance(inner, VnniLinear):  # each row's bits fixed at any row count: no tiles
+            if module.blocks is not None and module.tiles.decode_blocks:
+                # the blocks at every row count, in decode-like forwards only (an extend runs the
+                # VNNI weight there): decode's tile size keeps the loop to those (`tiled`)
+                blocks, pieces = native_blocks(module.blocks)
+                parts = [*blocks, inner.packed]
+                return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, RowTiles.DECODE, pieces=pieces)
+            return _Form([inner.packed], inner.out_features, None, inner.bias, True)
         if isinstance(inner, OneDNNLinear):
             if module.blocks is not None and module.tiles.decode_blocks:  # bf16 block loops, every row count
                 blocks, pieces = native_blocks(module.blocks)
@@ -121,7 +131,7 @@ def _form(module: Any) -> _Form | None:
             parts = [*blocks, inner.weight]
             return _Form(parts, inner.out_features, EVERY_ROW, inner.bias, True, cpu_gemv.MAX_ROWS, pieces=pieces)
         return None
-    if isinstance(module, OneDNNLinear):
+    if isinstance(module, (OneDNNLinear, VnniLinear)):
         return _Form([module.packed], module.out_features, None, module.bias, True)
     if _fp32_dense(module):
         return _Form([module.weight], module.out_features, None, module.bias, True, small_rows=module.small_rows)
@@ -129,8 +139,8 @@ def _form(module: Any) -> _Form | None:
         packed, big = module.packed, module.big
         parts, pieces = native_blocks(packed)
         small_rows = 0
-        dense = isinstance(big, OneDNNLinear) or _fp32_dense(big)
-        if isinstance(big, OneDNNLinear):
+        dense = isinstance(big, (OneDNNLinear, VnniLinear)) or _fp32_dense(big)
+        if isinstance(big, (OneDNNLinear, VnniLinear)):
             parts.append(big.packed)
         elif dense:
             parts.append(big.weight)

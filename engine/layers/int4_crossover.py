@@ -43,7 +43,7 @@ import torch
 
 from engine.kernels import cpu_quant
 from engine.layers.int4 import TiledQ4Weight
-from engine.layers.linear import BatchInvariantLinear, QuantLinear
+from engine.layers.linear import BatchInvariantLinear, QuantLinear, VnniLinear
 
 Q = TypeVar("Q", QuantLinear, BatchInvariantLinear)
 
@@ -219,9 +219,10 @@ def blocks_beat_padded_tiles(linears: Sequence[BatchInvariantLinear], dtype: tor
     projections' block loops at every row count rather than the dense form on padded tiles of
     `tiles.decode` rows. Timed as the crossover is (cold, alternating, best of REPEATS): the
     blocks on a half-full tile's rows against the dense form on a full tile, which every decode
-    step of up to that many rows pays. On an AVX512-BF16 CPU without AMX the blocks cost 39 ms of
-    the default model's step at 32 rows against 54 for the 64-row tile; AMX runs the tile several
-    times faster per row, and there the tiles stay."""
+    step of up to that many rows pays (VNNI pairs need no tiles: on the same half-full rows). On an
+    AVX512-BF16 CPU without AMX the blocks cost 39 ms of the default model's step at 32 rows
+    against 54 for oneDNN's 64-row tile; AMX runs the tile several times faster per row, and there
+    the tiles stay."""
     chosen = cold_cache_prefix(linears, lambda m: m.blocks)
     tile = chosen[0].tiles.decode
     shapes = tuple((m.out_features, m.in_features, type(m.blocks).__name__) for m in chosen)
@@ -233,16 +234,18 @@ def blocks_beat_padded_tiles(linears: Sequence[BatchInvariantLinear], dtype: tor
     inputs = {k: torch.randn(tile, k, generator=gen).to(dtype) for k in {m.in_features for m in chosen}}
     full = [inputs[m.in_features] for m in chosen]
     half = [x[: max(1, tile // 2)] for x in full]
+    if all(isinstance(m.inner, VnniLinear) for m in chosen):
+        full = half
     with torch.inference_mode():
         t_blocks, t_tiles = _best_times(
             ([m.blocks.matmul for m in chosen], half), ([m.inner for m in chosen], full), evict
         )
     log.info(
-        "deterministic decode: block loops %.2f ms at %d rows, %d-row tiles %.2f ms: %s",
+        "deterministic decode: block loops %.2f ms at %d rows, the dense form %.2f ms at %d rows: %s",
         1e3 * t_blocks,
-        tile // 2,
-        tile,
+        len(half[0]),
         1e3 * t_tiles,
+        len(full[0]),
         "blocks" if t_blocks <= t_tiles else "tiles",
     )
     _cache[key] = int(t_blocks <= t_tiles)

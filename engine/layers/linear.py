@@ -5,10 +5,13 @@
   faster applies: fp32 (the transformers parity path; on a CPU its inputs of a few rows, decode
   steps, go through our small-batch loop, engine/kernels/cpu_gemv.py, which streams the weights
   at 2-4x MKL's rate there, with fp32 sums of its own order) and devices other than the CPU.
+- `VnniLinear`: a bf16 CPU weight (AVX512-BF16, no AMX) resident in VNNI pairs, our kernel at every
+  row count (engine/kernels/cpu_vnni.py): decode streams it at the memory's rate, prefill's GEMM
+  runs at oneDNN's rate on the same bytes.
 - `OneDNNLinear`: a bf16 CPU weight reordered once into oneDNN's blocked layout (what inductor's
-  CPU freezing does). `F.linear` in bf16 runs the same oneDNN kernel but reorders the weight on
-  every call; prepacked, a decode step's matmuls take 15-45% less time (measured on a 2-core CPU,
-  batch 1 to 64) with bit-identical results.
+  CPU freezing does) where `VnniLinear` does not apply (AMX GEMMs outrun ours). `F.linear` in bf16
+  reorders the weight on every call; prepacked, a decode step's matmuls take 15-45% less time
+  (measured on a 2-core CPU, batch 1 to 64) with bit-identical results.
 - `QuantLinear`: a GGUF block-quantized weight (4-bit layer weights, int4.py; the Q8_0 LM head,
   q8.py; a fused projection of parts in different kinds of blocks, `QuantParts`) through a
   quantized CPU kernel for inputs of at most `max_rows` rows, where reading a quarter (half) of
@@ -23,7 +26,7 @@
   `rows` rows at a time, so a row's result never depends on the batch around it (see the class).
 
 `finalize_linear` turns a loaded `DenseLinear` into the module the model keeps. The dense weight
-is then referenced by nothing (a oneDNN or quantized module holds its own form), so it is freed —
+is then referenced by nothing (a VNNI, oneDNN or quantized module holds its own form), so it is freed —
 except where the dense weight is shared, as a tied LM head shares the embedding table.
 """
 
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_gemv, cpu_quant
+from engine.kernels import cpu_gemv, cpu_quant, cpu_vnni
 from engine.layers.int4 import PackedInt4Weight, Q4Blocks, TiledQ4Weight
 from engine.layers.q8 import Q8Blocks, Q8Weight
 
@@ -185,6 +188,37 @@ class OneDNNLinear(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
+class VnniLinear(nn.Module):
+    """A bf16 CPU weight resident in VNNI pairs, our kernel at every row count
+    (engine/kernels/cpu_vnni.py): a few rows stream it at the memory's rate, a prefill runs a GEMM
+    on it, and each row's result is the same bits whatever the batch (so `BatchInvariantLinear`
+    calls it as it is, with no row tiles)."""
+
+    def __init__(
+        self, packed: torch.Tensor, bias: nn.Parameter | None, in_features: int, output_sizes: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self.packed = packed  # a plain attribute: a layout, not a parameter to cast or save
+        self.bias = bias
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.out_features = sum(self.output_sizes)
+
+    @classmethod
+    def from_dense(cls, dense: DenseLinear) -> VnniLinear | None:
+        """`dense` in VNNI pairs, or None where they do not apply (cpu_vnni.available_for)."""
+        if not cpu_vnni.available_for(dense.weight):
+            return None
+        return cls(cpu_vnni.pack(dense.weight), dense.bias, dense.in_features, dense.output_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = cpu_vnni.linear(rows, self.packed, self.bias, self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
+
+
 class DequantTilesLinear(nn.Module):
     """A block-quantized weight's products for many rows without a dense copy: tiles of the weight
     dequantized one at a time in a core's cache and multiplied there (csrc/cpu_quant_tiles.cpp;
@@ -215,7 +249,7 @@ class QuantLinear(nn.Module):
     forms' dequantized tiles (`DequantTilesLinear`), or the dense form beside torch's int4pack one."""
 
     def __init__(
-        self, packed: QuantWeight, big: DenseLinear | OneDNNLinear | DequantTilesLinear, max_rows: int
+        self, packed: QuantWeight, big: DenseLinear | OneDNNLinear | VnniLinear | DequantTilesLinear, max_rows: int
     ) -> None:
         super().__init__()
         self.packed = packed
@@ -306,7 +340,7 @@ class BatchInvariantLinear(nn.Module):
 
     def __init__(
         self,
-        inner: DenseLinear | OneDNNLinear,
+        inner: DenseLinear | OneDNNLinear | VnniLinear,
         tiles: RowTiles,
         blocks: TiledQ4Weight | Q8Weight | QuantParts | None = None,
     ) -> None:
@@ -328,7 +362,7 @@ class BatchInvariantLinear(nn.Module):
         if self.tiles.loop and isinstance(self.inner, DenseLinear):
             return cpu_gemv.gemv_groups(x, self.inner.weight, self.bias)
         t, rows = x.shape[0], self.tiles.rows
-        if t == rows:
+        if t == rows or isinstance(self.inner, VnniLinear):
             return self.inner(x)
         pad = -t % rows
         if pad:
@@ -341,7 +375,7 @@ class BatchInvariantLinear(nn.Module):
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)
 
 
-Linear = DenseLinear | OneDNNLinear | QuantLinear | BatchInvariantLinear
+Linear = DenseLinear | OneDNNLinear | VnniLinear | QuantLinear | BatchInvariantLinear
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
@@ -355,6 +389,8 @@ def dense_weight(linear: Linear) -> torch.Tensor:
         return big.packed.dequantize(big.dtype) if isinstance(big, DequantTilesLinear) else dense_weight(big)
     if isinstance(linear, OneDNNLinear):
         return linear.packed.to_dense()  # the prepacked layout reordered back (exact)
+    if isinstance(linear, VnniLinear):
+        return cpu_vnni.unpack(linear.packed, linear.out_features)
     return linear.weight.detach()
 
 
@@ -384,7 +420,7 @@ def finalize_linear(
     if quantized and ours and row_tiles is None:  # the blocks only: many rows run their dequantized tiles
         big = dense if shared else DequantTilesLinear(packed, dense.bias, dense.output_sizes, weight.dtype)
         return QuantLinear(packed, big, q4_max_rows)
-    big = OneDNNLinear.from_dense(dense) or dense
+    big = VnniLinear.from_dense(dense) or OneDNNLinear.from_dense(dense) or dense
     if row_tiles is not None:
         return BatchInvariantLinear(big, row_tiles, packed if ours and row_tiles.decode_blocks else None)
     if big is dense:  # fp32 on a CPU: few rows through the small-batch loop

@@ -41,6 +41,8 @@ torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           std::optional<torch::Tensor> supers);
 torch::Tensor bf16_tiles_mm(torch::Tensor x, torch::Tensor w);
+bool vnni_linear_built();
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, int64_t n_out);
 torch::Tensor quant_dequantize(torch::Tensor codes, torch::Tensor scales, std::optional<torch::Tensor> offsets,
                                int64_t n_out, torch::ScalarType dtype);
 torch::Tensor q4_gemv_f32(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
@@ -108,6 +110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("supers"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_tiles_mm", &bf16_tiles_mm, "bf16 x [M, K] @ W.T for a plain bf16 W [N, K] through VNNI-repacked tiles",
         py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_linear_built", &vnni_linear_built,
+        "whether vnni_linear is built here and is the bf16 dense form (AVX512-BF16, no AMX)");
+  m.def("vnni_linear", &vnni_linear, "bf16 x [M, K] @ W.T (+ b), W resident in VNNI pairs [ceil(N/64), K/2, 64, 2]",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n_out"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_dequantize", &quant_dequantize, "a block-quantized weight's W [N, K] in bf16 or fp32",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add_", &lora_add_, "y += each row's LoRA delta (bf16 or fp32, engine/lora/ops.py's CPU path)",

@@ -24,9 +24,9 @@
 // time.
 //
 // Scope (checked on the Python side): Llama-style layers (projection biases as Qwen2 has them, the
-// q/k norm of Qwen3), SiLU, bf16 with every projection 4-bit and/or prepacked for oneDNN and the
-// fused elementwise kernels, or fp32 with the torch forms (full rotary), the kernel attention
-// plans, one rank; multi-LoRA deltas after each projection where the forward has adapter rows
+// q/k norm of Qwen3), SiLU, bf16 with every projection 4-bit and/or dense (prepacked for oneDNN, or
+// in VNNI pairs) and the fused elementwise kernels, or fp32 with the torch forms (full rotary), the
+// kernel attention plans, one rank; multi-LoRA deltas after each projection where the forward has adapter rows
 // (cpu_lora.cpp, which the Python layers call too); a mixture-of-experts MLP whose experts run in
 // blocks (FusedMoE.route's torch ops, then cpu_moe_quant.cpp's experts, as the Python layer) or
 // dense through cpu_moe.cpp's one-call kernel (forwards within its bound only).
@@ -57,6 +57,7 @@ torch::Tensor q4_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t n_out);
 torch::Tensor q8_tiles_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           std::optional<torch::Tensor> supers);
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, int64_t n_out);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor ids,
                           torch::Tensor weights);
 
@@ -157,6 +158,8 @@ torch::Tensor gemv(const torch::Tensor& x, const Projection& w) {
                 : q4_gemv(xc, w.codes, w.scales, w.offsets, w.out_features, true);
     return w.bias.defined() ? out + w.bias : out;
   }
+  if (w.dense.dim() == 4)  // VNNI pairs (VnniLinear): every row count, each row's bits fixed whatever the batch
+    return vnni_linear(x, w.dense, optional(w.bias), w.out_features);
   if (w.tile_rows > 0) return f32 ? grouped_gemv_f32(x, w) : tiled_dense(x, w);
   if (f32) return t <= w.small_rows ? gemv_f32(x, w.dense, optional(w.bias)) : at::linear(x, w.dense, optional(w.bias));
   return dense_linear(x, w.dense, w.bias);

@@ -48,6 +48,7 @@
 #endif
 
 #include "q4_scales.h"
+#include "vnni.h"
 #include "vec.h"
 
 using bf16 = c10::BFloat16;
@@ -310,8 +311,10 @@ void fill_lanes(const uint8_t* codes, const LaneKind& kind, const Q8Scales& sc, 
 // tile into such a layout on every call (most of at::mm's cost per tile below ~64 rows of x);
 // written so directly, a small register-blocked kernel runs the tile from L2.
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(ASYNCLLM_VNNI)
 #define ASYNCLLM_VNNI_TILES 1
+
+using asyncllm::vnni::kKernelRows;
 
 // 4-bit tiles [t0, t1) -> B's columns (t - t0) * 16 ..: the 32 bytes of block b, pair index j
 // hold every row's pair j (low nibbles: pair b * 16 + j of the row) and j + 8 (high nibbles), byte
@@ -385,61 +388,6 @@ void fill_bf16_vnni(const bf16* w, int64_t k, int64_t n0, int64_t rows, bf16* B,
   }
   for (; n < rows; ++n)
     for (int64_t p = 0; p < pairs; ++p) dst[p * T + n] = src[n * pairs + p];
-}
-
-// y[m, 16 nb + i] for MR rows of x and NB vectors of 16 columns: one fp32 chain per output over
-// every pair of K, rounded to bf16 once; the last vector's columns masked by `last`.
-template <int MR, int NB>
-void vnni_kernel(const bf16* x, int64_t k, const bf16* B, int64_t T, bf16* y, int64_t ldy, __mmask16 last) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // x's pairs
-  for (int64_t p = 0; p < k / 2; ++p) {
-    __m512bh w[NB];
-    for (int n = 0; n < NB; ++n) w[n] = (__m512bh)_mm512_loadu_si512(B + (p * T + n * 16) * 2);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(xp[m * k / 2 + p]);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], pair, w[n]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NB; ++n)
-      _mm256_mask_storeu_epi16(y + m * ldy + n * 16, n == NB - 1 ? last : 0xFFFF, (__m256i)_mm512_cvtneps_pbh(acc[m][n]));
-}
-
-template <int MR>
-void vnni_rows(const bf16* x, int64_t k, const bf16* B, int64_t T, int64_t cols, bf16* y, int64_t ldy) {
-  for (int64_t n0 = 0; n0 < cols; n0 += 64) {
-    const int64_t live = std::min<int64_t>(64, cols - n0), vectors = (live + 15) / 16;
-    const __mmask16 last = live % 16 ? static_cast<__mmask16>((1u << (live % 16)) - 1) : 0xFFFF;
-    const bf16* b = B + n0 * 2;
-    switch (vectors) {
-      case 1: vnni_kernel<MR, 1>(x, k, b, T, y + n0, ldy, last); break;
-      case 2: vnni_kernel<MR, 2>(x, k, b, T, y + n0, ldy, last); break;
-      case 3: vnni_kernel<MR, 3>(x, k, b, T, y + n0, ldy, last); break;
-      default: vnni_kernel<MR, 4>(x, k, b, T, y + n0, ldy, last);
-    }
-  }
-}
-
-constexpr int kKernelRows = 6;  // 6 x 4 accumulators, 4 weight vectors and a pair: 29 of 32 registers
-
-// y [M, cols] (row stride ldy) = x [M, K] times B's first `cols` columns
-void vnni_product(const bf16* x, int64_t m_rows, int64_t k, const bf16* B, int64_t T, int64_t cols, bf16* y,
-                  int64_t ldy) {
-  for (int64_t m0 = 0; m0 < m_rows; m0 += kKernelRows) {
-    const bf16* xm = x + m0 * k;
-    bf16* ym = y + m0 * ldy;
-    switch (std::min<int64_t>(kKernelRows, m_rows - m0)) {
-      case 1: vnni_rows<1>(xm, k, B, T, cols, ym, ldy); break;
-      case 2: vnni_rows<2>(xm, k, B, T, cols, ym, ldy); break;
-      case 3: vnni_rows<3>(xm, k, B, T, cols, ym, ldy); break;
-      case 4: vnni_rows<4>(xm, k, B, T, cols, ym, ldy); break;
-      case 5: vnni_rows<5>(xm, k, B, T, cols, ym, ldy); break;
-      default: vnni_rows<6>(xm, k, B, T, cols, ym, ldy);
-    }
-  }
 }
 
 // A tile written row by row (W [cols, K], the 8-bit and lane-order forms): y[m, n] = the dot
@@ -551,7 +499,7 @@ torch::Tensor tiled_product(const torch::Tensor& x, int64_t n_out, bool transpos
         bf16* out = y.data_ptr<bf16>() + n0;
         if (transposed) {
           fill_vnni(n0, rows, buffer.data_ptr<bf16>(), tile);
-          vnni_product(x.data_ptr<bf16>(), m_rows, k, buffer.data_ptr<bf16>(), tile, rows, out, n_out);
+          asyncllm::vnni::product(x.data_ptr<bf16>(), m_rows, k, buffer.data_ptr<bf16>(), tile, rows, out, n_out);
         } else {
           fill(n0, rows, buffer);
           rows_product(x.data_ptr<bf16>(), m_rows, k, buffer.data_ptr<bf16>(), rows, out, n_out);

@@ -12,7 +12,8 @@ namespace asyncllm {
 
 // One projection: its quantized form (cpu_quant_gemv.cpp's tiled 4-bit layout, fp16 or K-form
 // scales; Q8_0 blocks when `q8`, Q6_K's or Q5_K's when `q8` with offsets, their per-256 d's) for inputs of at most q4_rows rows, its dense weight for more: bf16 prepacked for
-// oneDNN (engine/layers/linear.py OneDNNLinear), or fp32 as it is (DenseLinear: 1..small_rows
+// oneDNN (engine/layers/linear.py OneDNNLinear) or resident in VNNI pairs [N/64, K/2, 64, 2] (VnniLinear,
+// cpu_vnni_linear.cpp: every row count, no row tiles), or fp32 as it is (DenseLinear: 1..small_rows
 // rows through cpu_gemv.cpp's loop, more through at::linear). Either may be missing (undefined
 // tensors): a dense-only model has q4_rows 0; a projection with no dense form runs more than
 // q4_rows rows through its blocks' dequantized tiles (cpu_quant_tiles.cpp).
