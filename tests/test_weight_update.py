@@ -81,7 +81,7 @@ async def test_update_from_tensor_in_buckets_and_all_or_nothing(checkpoints):
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 async def test_bf16_update_rebuilds_every_derived_form(checkpoints, dtype):
-    """bf16 on a CPU runs oneDNN-prepacked projections and the fused C++ decode loop: after an
+    """bf16 on a CPU runs VNNI-pair (or oneDNN-prepacked) projections and the fused C++ decode loop: after an
     update both must read the new values, so outputs equal an engine started on the new weights."""
     async with Engine(checkpoints["b"], dtype=dtype, max_total_tokens=4096) as fresh:
         want_b = await greedy(fresh)
