@@ -82,18 +82,24 @@ def _assert_ok(rc: int, out: str) -> None:
 
 def test_kernels_match_torch_reference_interpreter(interpreter_runs):
     """store_kv, split-KV decode and extend vs torch SDPA: fp32/fp16/bf16, GQA, D=16/24,
-    shuffled slots and page_size 4 layouts, cached prefixes, empty splits."""
+    shuffled slots and page_size 4 layouts, cached prefixes, empty splits; sliding windows (the
+    slots before each window poisoned with NaN: never read) and Gemma 2's soft-cap against an
+    explicit fp32 reference."""
     rc, out = interpreter_runs("kernels")
     _assert_ok(rc, out)
     assert out.count("\nok   decode") >= 4 and out.count("\nok   extend") >= 3, out
+    assert out.count(" window=") >= 4 and out.count(" softcap=") >= 4, out
 
 
 def test_backend_matches_torch_backend_interpreter(interpreter_runs):
     """TritonAttnBackend vs TorchAttnBackend through ForwardBatch: prefill, decode, extend on a
-    cached prefix, decode; several layers sharing one metadata; page sizes 1 and 4."""
+    cached prefix, decode; several layers sharing one metadata; page sizes 1 and 4; a windowed
+    model (a local layer beside a global one) and a soft-capped one as `create_attention_backend`
+    builds them: windows and cap in the Triton kernels against the torch backend's window plans."""
     rc, out = interpreter_runs("backend")
     _assert_ok(rc, out)
     assert out.count("\nok   backend decode") >= 2 and out.count("\nok   backend extend") >= 2, out
+    assert out.count(" windows=(4, 0)") >= 8 and out.count(" softcap=2.0") >= 8, out
 
 
 def test_import_without_gpu_and_clear_error():
@@ -151,7 +157,7 @@ def test_kernels_compile_for_sm90_without_gpu():
     if rc != 0 and "No module named 'triton.backends.nvidia'" in out:
         pytest.skip("this triton build has no NVIDIA backend")
     _assert_ok(rc, out)
-    assert out.count("\nok   compile") == 4, out
+    assert out.count("\nok   compile") == 6, out  # decode stage1 and extend also with window and cap
 
 
 @pytest.mark.gpu

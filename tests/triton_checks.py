@@ -108,7 +108,30 @@ def check_store_kv(K, device, gen, dtype_in, dtype_pool, kvh, d):
         FAILURES.append(name)
 
 
-def check_decode(K, device, gen, dtype, h, kvh, d, lens, page_size, splits, block_n=16):
+def windowed_reference(q, k, v, q_pos, k_pos, scale, window, softcap):
+    """Attention of q [Q, H, D] over k/v [N, KVH, D] at positions q_pos [Q] / k_pos [N] in fp32:
+    causal, keys `window` or more positions back hidden (window > 0), scores capped as Gemma 2
+    does (softcap > 0: softcap * tanh(score / softcap), after the scale, before the mask)."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, vv)
+
+
+def released(buf, table, row, n):
+    """Poison the first `n` positions of a request's slots (as if hybrid SWA memory had released
+    them): a kernel that reads any of them returns NaN."""
+    if n > 0:
+        buf[table[row, :n].long()] = float("nan")
+
+
+def check_decode(K, device, gen, dtype, h, kvh, d, lens, page_size, splits, block_n=16, window=0, softcap=0.0):
     b = len(lens)
     table, rows, n_slots = make_layout(lens, page_size, max(lens) + 8, gen, device)
     k_buf = torch.randn((n_slots, kvh, d), generator=gen).to(device=device, dtype=dtype)
@@ -116,18 +139,32 @@ def check_decode(K, device, gen, dtype, h, kvh, d, lens, page_size, splits, bloc
     q = torch.randn((b, h, d), generator=gen).to(device=device, dtype=dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     scale = 1.0 / math.sqrt(d)
-    o = torch.full_like(q, float("nan"))
-    K.decode_attention_fwd(q, k_buf, v_buf, o, table, rows, seq_lens, splits, scale, block_n=block_n)
-
     ref = torch.empty((b, h, d), dtype=torch.float32, device=device)
     for i, n in enumerate(lens):
+        if window or softcap:
+            kk, vv = gather_seq(k_buf, table, int(rows[i]), n), gather_seq(v_buf, table, int(rows[i]), n)
+            pos = torch.arange(n, device=device)
+            ref[i] = windowed_reference(q[i : i + 1], kk, vv, pos[-1:], pos, scale, window, softcap)[0]
+            continue
         kk = gather_seq(k_buf, table, int(rows[i]), n).float().transpose(0, 1)  # [KVH, n, D]
         vv = gather_seq(v_buf, table, int(rows[i]), n).float().transpose(0, 1)
         ref[i] = F.scaled_dot_product_attention(q[i].float()[:, None, :], kk, vv, scale=scale, enable_gqa=True)[:, 0, :]
-    check(f"decode {str(dtype)[6:]} H={h} KVH={kvh} D={d} lens={lens} page={page_size} splits={splits}", o, ref, dtype)
+    if window:  # positions before each window are never read
+        for i, n in enumerate(lens):
+            released(k_buf, table, int(rows[i]), n - window)
+            released(v_buf, table, int(rows[i]), n - window)
+    o = torch.full_like(q, float("nan"))
+    K.decode_attention_fwd(
+        q, k_buf, v_buf, o, table, rows, seq_lens, splits, scale, block_n=block_n, window=window, softcap=softcap
+    )
+    extra = f" window={window}" * bool(window) + f" softcap={softcap}" * bool(softcap)
+    name = f"decode {str(dtype)[6:]} H={h} KVH={kvh} D={d} lens={lens} page={page_size} splits={splits}{extra}"
+    check(name, o, ref, dtype)
 
 
-def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block_m=16, block_n=16):
+def check_extend(
+    K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block_m=16, block_n=16, window=0, softcap=0.0
+):
     b = len(ext)
     seq = [p + e for p, e in zip(prefix, ext)]
     table, rows, n_slots = make_layout(seq, page_size, max(seq) + 8, gen, device)
@@ -139,6 +176,26 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
     v = torch.randn((t, kvh, d), generator=gen).to(device=device, dtype=dtype)
     starts = [sum(ext[:i]) for i in range(b)]
     i32 = dict(dtype=torch.int32, device=device)
+    ref = torch.empty((t, h, d), dtype=torch.float32, device=device)
+    for i in range(b):
+        s, e, p = starts[i], ext[i], prefix[i]
+        if window or softcap:
+            kk = torch.cat([gather_seq(k_buf, table, int(rows[i]), p), k[s : s + e]])
+            vv = torch.cat([gather_seq(v_buf, table, int(rows[i]), p), v[s : s + e]])
+            pos = torch.arange(p + e, device=device)
+            ref[s : s + e] = windowed_reference(q[s : s + e], kk, vv, pos[p:], pos, 1.0 / math.sqrt(d), window, softcap)
+            continue
+        kk = torch.cat([gather_seq(k_buf, table, int(rows[i]), p), k[s : s + e]]).float().transpose(0, 1)
+        vv = torch.cat([gather_seq(v_buf, table, int(rows[i]), p), v[s : s + e]]).float().transpose(0, 1)
+        mask = torch.arange(p + e, device=device)[None, :] <= torch.arange(p, p + e, device=device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q[s : s + e].float().transpose(0, 1), kk, vv, attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=True
+        )
+        ref[s : s + e] = out.transpose(0, 1)
+    if window:  # prefix positions before the first new token's window are never read
+        for i in range(b):
+            released(k_buf, table, int(rows[i]), prefix[i] - window + 1)
+            released(v_buf, table, int(rows[i]), prefix[i] - window + 1)
     o = torch.full_like(q, float("nan"))
     K.extend_attention_fwd(
         q,
@@ -156,19 +213,12 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
         1.0 / math.sqrt(d),
         block_m=block_m,
         block_n=block_n,
+        window=window,
+        softcap=softcap,
     )
-
-    ref = torch.empty((t, h, d), dtype=torch.float32, device=device)
-    for i in range(b):
-        s, e, p = starts[i], ext[i], prefix[i]
-        kk = torch.cat([gather_seq(k_buf, table, int(rows[i]), p), k[s : s + e]]).float().transpose(0, 1)
-        vv = torch.cat([gather_seq(v_buf, table, int(rows[i]), p), v[s : s + e]]).float().transpose(0, 1)
-        mask = torch.arange(p + e, device=device)[None, :] <= torch.arange(p, p + e, device=device)[:, None]
-        out = F.scaled_dot_product_attention(
-            q[s : s + e].float().transpose(0, 1), kk, vv, attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=True
-        )
-        ref[s : s + e] = out.transpose(0, 1)
-    check(f"extend {str(dtype)[6:]} H={h} KVH={kvh} D={d} prefix={prefix} ext={ext} page={page_size}", o, ref, dtype)
+    extra = f" window={window}" * bool(window) + f" softcap={softcap}" * bool(softcap)
+    name = f"extend {str(dtype)[6:]} H={h} KVH={kvh} D={d} prefix={prefix} ext={ext} page={page_size}{extra}"
+    check(name, o, ref, dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -176,8 +226,12 @@ def check_extend(K, device, gen, dtype, h, kvh, d, prefix, ext, page_size, block
 # ------------------------------------------------------------------------------------------
 
 
-def check_backend(device, gen, dtype, page_size, layers):
+def check_backend(device, gen, dtype, page_size, layers, windows=(), softcap=None):
+    """`windows` (one per layer) / `softcap`: both backends as `create_attention_backend` builds them
+    for such a model: Triton with windows and the cap in its kernels, torch wrapped in
+    `WindowedAttnBackend`'s torch plans (the reference)."""
     from engine.cache.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+    from engine.layers.attention_backend import create_attention_backend
     from engine.layers.attention_ops import HeadLayout
     from engine.layers.attention_torch import TorchAttnBackend
     from engine.layers.attention_triton import TritonAttnBackend
@@ -185,8 +239,14 @@ def check_backend(device, gen, dtype, page_size, layers):
 
     h, kvh, d = 4, 2, 24
     layout = HeadLayout(h, kvh, d, d**-0.5)
-    triton_be = TritonAttnBackend(layout, num_kv_splits=3)
-    torch_be = TorchAttnBackend(layout)
+    if windows or softcap is not None:
+        triton_be = create_attention_backend("triton", layout, windows=windows, softcap=softcap)
+        torch_be = create_attention_backend("torch", layout, windows=windows, softcap=softcap)
+        assert triton_be.native and not torch_be.native  # type: ignore[attr-defined]
+        triton_be.inner.num_kv_splits = 3  # type: ignore[attr-defined]
+    else:
+        triton_be = TritonAttnBackend(layout, num_kv_splits=3)
+        torch_be = TorchAttnBackend(layout)
     rtp = ReqToTokenPool(6, 64, device=device)
     alloc = TokenToKVPoolAllocator(128, page_size=page_size, device=device)
     # throw away a random number of pages first so slots are not at the start of the pool
@@ -250,8 +310,9 @@ def check_backend(device, gen, dtype, page_size, layers):
         inputs = rand_inputs(sum(ext_lens))
         outs = run(mode, ext_lens, prefix_lens)
         for layer in range(layers):
+            extra = f" windows={windows}" * bool(windows) + f" softcap={softcap}" * (softcap is not None)
             check(
-                f"backend {mode.name.lower()} {str(dtype)[6:]} page={page_size} layer={layer} lens={lens}",
+                f"backend {mode.name.lower()} {str(dtype)[6:]} page={page_size} layer={layer} lens={lens}{extra}",
                 outs["triton"][layer],
                 outs["torch"][layer],
                 dtype,
@@ -299,18 +360,14 @@ def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
         "Mid_Lse": "fp32",
     }
     common = dict(DOT_PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST_DOT=False)
+    stage1 = dict(kv_group_num=4, head_dim=64, num_kv_splits=8, BLOCK_H=16, BLOCK_N=32, BLOCK_DMODEL=64, **common)
+    extend = dict(kv_group_num=4, head_dim=64, BLOCK_M=32, BLOCK_N=32, BLOCK_DMODEL=64, **common)
     kernels = [
-        (
-            "decode stage1",
-            K.decode_stage1_kernel,
-            dict(kv_group_num=4, head_dim=64, num_kv_splits=8, BLOCK_H=16, BLOCK_N=32, BLOCK_DMODEL=64, **common),
-        ),
+        ("decode stage1", K.decode_stage1_kernel, dict(stage1, SOFTCAP=False)),
+        ("decode stage1 softcap", K.decode_stage1_kernel, dict(stage1, SOFTCAP=True)),
         ("decode stage2", K.decode_stage2_kernel, dict(head_dim=64, num_kv_splits=8, BLOCK_DMODEL=64)),
-        (
-            "extend",
-            K.extend_kernel,
-            dict(kv_group_num=4, head_dim=64, BLOCK_M=32, BLOCK_N=32, BLOCK_DMODEL=64, **common),
-        ),
+        ("extend", K.extend_kernel, dict(extend, SOFTCAP=False, WINDOW=False)),
+        ("extend window softcap", K.extend_kernel, dict(extend, SOFTCAP=True, WINDOW=True)),
         ("store_kv", K.store_kv_kernel, dict(BLOCK_H=2, BLOCK_D=64)),
     ]
     for name, fn, consts in kernels:
@@ -321,7 +378,7 @@ def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
             elif arg in ptr:
                 sig[arg] = "*" + ptr[arg]
             else:
-                sig[arg] = "fp32" if arg == "qk_scale" else "i32"
+                sig[arg] = "fp32" if arg in ("qk_scale", "sm_scale", "softcap") else "i32"
         label = f"compile {name} {dt} sm_{arch}"
         try:
             compiled = triton.compile(
@@ -378,9 +435,22 @@ def main() -> int:
         check_extend(K, device, gen, bf16, 4, 2, 24, [3, 0, 17], [19, 2, 1], page_size=4)
         check_extend(K, device, gen, f16, 2, 1, 16, [2, 0], [17, 5], page_size=1)
 
+        # sliding windows (slots before each window poisoned: never read) and Gemma 2's soft-cap;
+        # windows shorter than a block hide whole blocks from some rows
+        check_decode(K, device, gen, f32, 4, 2, 16, [1, 7, 40], page_size=1, splits=4, window=5)
+        check_decode(K, device, gen, f32, 4, 2, 24, [3, 33], page_size=4, splits=2, softcap=2.0)
+        check_decode(K, device, gen, bf16, 4, 2, 16, [2, 30], page_size=1, splits=3, window=9, softcap=5.0)
+        check_extend(K, device, gen, f32, 4, 2, 16, [0, 5, 30], [1, 7, 35], page_size=1, window=5)
+        check_extend(K, device, gen, f32, 4, 2, 24, [20, 0], [19, 40], page_size=4, window=17, softcap=3.0)
+        check_extend(K, device, gen, bf16, 2, 1, 16, [9, 3], [5, 20], page_size=1, softcap=2.0)
+
     if args.group in ("all", "backend"):
         check_backend(device, gen, f32, page_size=1, layers=2)
         check_backend(device, gen, bf16, page_size=4, layers=1)
+        # Mistral/Gemma-style: a local layer whose window binds (sequences reach 25) beside a
+        # global one, and Gemma 2's cap on every layer
+        check_backend(device, gen, f32, page_size=1, layers=2, windows=(4, 0))
+        check_backend(device, gen, f32, page_size=4, layers=2, windows=(0, 7), softcap=2.0)
 
     if args.group == "compile":
         check_compile(K, "bf16")

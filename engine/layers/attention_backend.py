@@ -118,22 +118,24 @@ def create_attention_backend(
     `cascade` (shared-prefix decode) applies to the cpu and torch backends. A model with sliding
     windows (`windows`: one per layer, 0 = none) or an attention soft-cap gets the backend wrapped in
     `WindowedAttnBackend` (attention_window.py), which serves what the kernels do not (the cpu
-    kernels take the soft-cap themselves); `swa_memory`: the local layers' KV lives in the SWA pool
-    (engine/cache/swa_pool.py).
+    kernels take the soft-cap themselves, the Triton kernels windows and the soft-cap both);
+    `swa_memory`: the local layers' KV lives in the SWA pool (engine/cache/swa_pool.py).
     """
-    backend = _backend(name, layout, cascade, softcap)
+    backend = _backend(name, layout, cascade, softcap, windows)
     if any(windows) or softcap is not None:
         # Hybrid SWA memory: the local layers plan over their own table (attention_window.py).
-        swa_inner = _backend(name, layout, cascade, softcap) if swa_memory else None
+        swa_inner = _backend(name, layout, cascade, softcap, windows) if swa_memory else None
         return WindowedAttnBackend(backend, layout, windows, softcap, swa_inner)
     return backend
 
 
-def _backend(name: str, layout: HeadLayout, cascade: bool, softcap: float | None) -> AttentionBackend:
+def _backend(
+    name: str, layout: HeadLayout, cascade: bool, softcap: float | None, windows: tuple[int, ...]
+) -> AttentionBackend:
     if name == "cpu":
         return CpuAttnBackend(layout, cascade=cascade, softcap=softcap)
     if name == "torch":
         return TorchAttnBackend(layout, cascade=cascade)
     if name == "triton":
-        return TritonAttnBackend(layout)
+        return TritonAttnBackend(layout, windows=windows, softcap=softcap)
     raise ValueError(f"unresolved attention backend {name!r}")

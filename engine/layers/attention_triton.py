@@ -6,6 +6,9 @@
   host-side max extend length, so no layer needs a device sync.
 - `forward(q, k, v, layer_id, fb)` writes the new K/V into the pool with the `store_kv` kernel, then
   runs the plan: the split-KV decode kernel or the extend kernel. Returns `[T, H*D]`.
+- Sliding windows (`windows`, one per layer, 0 = none) and Gemma 2's attention-logit soft-cap
+  (`softcap`) are applied inside both kernels (`applies_windows`), so the `WindowedAttnBackend`
+  around it plans nothing of its own: no torch fallback for any layer or forward.
 
 Triton is imported lazily (on the first `forward`), so importing this module never needs triton or
 a GPU. Launching needs CUDA tensors or `TRITON_INTERPRET=1` set before the kernels are first
@@ -40,9 +43,14 @@ class TritonDecodePlan:
     """Split-KV decode of one query per request; `mid_o`/`mid_lse` are the stage-1 scratch."""
 
     def __init__(
-        self, layout: HeadLayout, fb: ForwardBatch, num_kv_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor
+        self,
+        backend: TritonAttnBackend,
+        fb: ForwardBatch,
+        mid_o: torch.Tensor,
+        mid_lse: torch.Tensor,
     ):
-        self.layout, self.num_kv_splits, self.mid_o, self.mid_lse = layout, num_kv_splits, mid_o, mid_lse
+        self.backend, self.layout, self.num_kv_splits = backend, backend.layout, backend.num_kv_splits
+        self.mid_o, self.mid_lse = mid_o, mid_lse
         self.pool: KVCache = fb.token_to_kv_pool
         self.table: ReqToTokenPool = fb.req_to_token_pool
         self.req_pool_indices, self.seq_lens = fb.req_pool_indices, fb.seq_lens
@@ -61,6 +69,8 @@ class TritonDecodePlan:
             self.layout.scaling,
             mid_o=self.mid_o,
             mid_lse=self.mid_lse,
+            window=self.backend.window(layer_id),
+            softcap=self.backend.softcap,
         )
         return o.view(q.shape[0], -1)
 
@@ -68,9 +78,9 @@ class TritonDecodePlan:
 class TritonExtendPlan:
     """Extend over each request's cached prefix plus its new tokens (causal)."""
 
-    def __init__(self, layout: HeadLayout, fb: ForwardBatch) -> None:
+    def __init__(self, backend: TritonAttnBackend, fb: ForwardBatch) -> None:
         assert fb.extend_seq_lens is not None and fb.extend_start_loc is not None and fb.extend_prefix_lens is not None
-        self.layout, self.fb = layout, fb
+        self.backend, self.layout, self.fb = backend, backend.layout, fb
         self.max_len_extend = max(fb.extend_seq_lens_cpu, default=0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -91,12 +101,22 @@ class TritonExtendPlan:
             fb.extend_prefix_lens,
             self.layout.scaling,
             max_len_extend=self.max_len_extend,
+            window=self.backend.window(layer_id),
+            softcap=self.backend.softcap,
         )
         return o.view(q.shape[0], -1)
 
 
 class TritonAttnBackend:
-    def __init__(self, layout: HeadLayout, num_kv_splits: int = 8) -> None:
+    applies_windows = True  # per-layer sliding windows and the soft-cap inside the kernels
+
+    def __init__(
+        self,
+        layout: HeadLayout,
+        num_kv_splits: int = 8,
+        windows: tuple[int, ...] = (),
+        softcap: float | None = None,
+    ) -> None:
         if layout.num_heads % layout.num_kv_heads:
             raise ValueError(
                 f"num_heads ({layout.num_heads}) must be a multiple of num_kv_heads ({layout.num_kv_heads})"
@@ -105,6 +125,8 @@ class TritonAttnBackend:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.layout = layout
         self.num_kv_splits = num_kv_splits
+        self.windows = windows  # one per layer, 0 = full causal attention; () = none anywhere
+        self.softcap = softcap or 0.0  # 0: no cap
         self.plan: AttentionPlan | None = None
         # fixed [max_bs, ...] decode scratch (init_cuda_graph_state): (mid_o, mid_lse)
         self._decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -125,9 +147,13 @@ class TritonAttnBackend:
             torch.empty(shape, dtype=torch.float32, device=device),
         )
 
+    def window(self, layer_id: int) -> int:
+        """Layer `layer_id`'s sliding window (0: none)."""
+        return self.windows[layer_id] if self.windows else 0
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_decode():
-            self.plan = TritonExtendPlan(self.layout, fb)
+            self.plan = TritonExtendPlan(self, fb)
             return
         b = fb.batch_size
         fixed = self._decode_scratch
@@ -138,7 +164,7 @@ class TritonAttnBackend:
             device = fb.seq_lens.device
             mid_o = torch.empty((*shape, self.layout.head_dim), dtype=torch.float32, device=device)
             mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
-        self.plan = TritonDecodePlan(self.layout, fb, self.num_kv_splits, mid_o, mid_lse)
+        self.plan = TritonDecodePlan(self, fb, mid_o, mid_lse)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch

@@ -5,7 +5,10 @@ last `window` positions (transformers: key `k` is visible to query `q` when `q -
 Gemma 2 also squashes every attention score through `cap * tanh(score / cap)` before the softmax.
 
 `WindowedAttnBackend` wraps the backend chosen at start-up (C++ kernels, torch or Triton):
-- a forward where no sequence is longer than the smallest window, and the model has no soft-cap
+- a backend that applies windows and the soft-cap in its own kernels (Triton: `applies_windows`)
+  runs every layer of every forward; the wrapper only routes the local layers under hybrid SWA
+  memory (below);
+- otherwise, a forward where no sequence is longer than the smallest window, and the model has no soft-cap
   or the wrapped backend caps itself (the C++ kernels do), is exactly full causal attention: every
   layer runs the wrapped backend's plan (its kernels, its cascade decode), so a short conversation
   on Mistral costs nothing extra;
@@ -196,6 +199,8 @@ class WindowedAttnBackend:
         self.swa_inner = swa_inner
         # the C++ kernels: they cap scores themselves and serve a window's decode over its slots
         self.kernels = isinstance(inner, CpuAttnBackend)
+        # windows and the cap inside the backend's own kernels (Triton): nothing to plan here
+        self.native = bool(getattr(inner, "applies_windows", False))
         self.min_window = min((w for w in windows if w), default=0)
         self.plan: WindowPlan | None = None
         self.swa_plan: WindowPlan | None = None
@@ -213,7 +218,9 @@ class WindowedAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         binds = self.binds(fb)
-        if self.softcap is not None and not self.kernels:
+        if self.native:
+            self.own_layers = frozenset()
+        elif self.softcap is not None and not self.kernels:
             self.own_layers = frozenset(range(len(self.windows)))
         elif binds:
             self.own_layers = frozenset(i for i, w in enumerate(self.windows) if w)

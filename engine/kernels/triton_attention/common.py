@@ -87,10 +87,27 @@ def unit_last_dim(t: torch.Tensor) -> torch.Tensor:
 def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one block of base-2 scores `qk` [rows, BLOCK_N] (masked columns -inf; every row has at
     least one finite score overall) and its values `v` [BLOCK_N, D] into the running max, sum
-    and output accumulator. Inlined by Triton into each kernel."""
+    and output accumulator. Inlined by Triton into each kernel.
+
+    A row may have no finite score yet (a sliding window's rows start at different keys, so a
+    block can hide every key from some of them): its max is then taken as 0 for the exponents,
+    so its weights stay exact zeros instead of NaN (-inf - -inf); a finite max is used as is."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def scaled_scores(qk, qk_scale, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw dot products `qk` as base-2 scores: times `qk_scale` (sm_scale * log2(e)), or with
+    `SOFTCAP` Gemma 2's `softcap * tanh(qk * sm_scale / softcap)` first (transformers' order:
+    scale, cap, then the mask), then times log2(e). tanh(x) = 2 / (1 + exp(-2x)) - 1: exact
+    limits (+-1) at large |x|, ~1e-7 absolute error near 0."""
+    if SOFTCAP:
+        x = qk * (sm_scale / softcap)
+        return softcap * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * 1.4426950408889634
+    return qk * qk_scale

@@ -4,6 +4,10 @@ Stage 1: one program per (request, KV head, split) handles every query head that
 head (grouped-query attention) over its slice of the sequence, writing a partial output and its
 log-sum-exp. Stage 2: one program per (request, head) merges the splits. Every position is read
 through `req_to_token`, so nothing assumes a request's slots are contiguous.
+
+`window` (a sliding-window layer: Mistral, Phi-3, Gemma's local layers) splits only the last
+`window` positions, so slots before them are never read (hybrid SWA memory may have released
+them); `softcap` (Gemma 2) caps each scaled score before the softmax.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from engine.kernels.triton_attention.common import (
     interpreter_out,
     online_softmax_step,
     pow2_at_least,
+    scaled_scores,
     unit_last_dim,
     upcast_dot,
 )
@@ -36,6 +41,9 @@ def decode_stage1_kernel(
     Mid_O,  # [B, H, S, D] fp32 partial outputs (each normalized by its own split's sum)
     Mid_Lse,  # [B, H, S] fp32 log2-sum-exp2 of the split's scaled scores
     qk_scale,  # sm_scale * log2(e)
+    sm_scale,
+    softcap,  # Gemma 2's attention-logit cap (with SOFTCAP)
+    window,  # attend the last `window` positions only (0: all)
     stride_qb,
     stride_qh,
     stride_buf_ks,
@@ -56,6 +64,7 @@ def decode_stage1_kernel(
     BLOCK_DMODEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
@@ -63,8 +72,9 @@ def decode_stage1_kernel(
 
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
     row = tl.load(Req_pool_indices + cur_batch).to(tl.int64)
-    len_per_split = tl.cdiv(seq_len, num_kv_splits)
-    split_start = len_per_split * split_id
+    first = seq_len - tl.minimum(seq_len, tl.where(window > 0, window, seq_len))  # the window's first position
+    len_per_split = tl.cdiv(seq_len - first, num_kv_splits)
+    split_start = first + len_per_split * split_id
     split_end = tl.minimum(split_start + len_per_split, seq_len)
     if split_start >= split_end:
         return  # stage 2 skips the same empty splits
@@ -98,7 +108,8 @@ def decode_stage1_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )  # [BLOCK_DMODEL, BLOCK_N]
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        qk = scaled_scores(qk, qk_scale, sm_scale, softcap, SOFTCAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(
             V_Buffer + slots[:, None] * stride_buf_vs + cur_kv_head * stride_buf_vh + offs_d[None, :],
@@ -121,6 +132,7 @@ def decode_stage2_kernel(
     Mid_Lse,
     Out,
     Seq_lens,
+    window,
     stride_mid_ob,
     stride_mid_oh,
     stride_mid_os,
@@ -135,7 +147,8 @@ def decode_stage2_kernel(
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
-    len_per_split = tl.cdiv(seq_len, num_kv_splits)
+    first = seq_len - tl.minimum(seq_len, tl.where(window > 0, window, seq_len))  # stage 1's splits
+    len_per_split = tl.cdiv(seq_len - first, num_kv_splits)
 
     offs_d = tl.arange(0, BLOCK_DMODEL)
     mask_d = offs_d < head_dim
@@ -146,7 +159,7 @@ def decode_stage2_kernel(
     l_run = 0.0
     acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
     for split_id in range(0, num_kv_splits):
-        split_start = len_per_split * split_id
+        split_start = first + len_per_split * split_id
         split_end = tl.minimum(split_start + len_per_split, seq_len)
         if split_end > split_start:
             lse = tl.load(lse_base + split_id)
@@ -175,14 +188,18 @@ def decode_attention_fwd(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     block_n: int = 32,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One new query token per request attends to its whole sequence (`seq_lens[b]` positions,
     including the token just stored). q/o: [B, H, D]; k/v_buffer: [num_slots, KVH, D];
     req_to_token: [rows, max_ctx]; req_pool_indices/seq_lens: [B]. Writes `o` and returns it.
 
     `mid_o` ([B, H, num_kv_splits, D] fp32) and `mid_lse` ([B, H, num_kv_splits] fp32) are the
-    stage-1 scratch buffers; pass them to reuse one allocation across layers.
+    stage-1 scratch buffers; pass them to reuse one allocation across layers. `window` > 0: only
+    the last `window` positions (a sliding-window layer); `softcap` > 0: scores capped (Gemma 2).
     """
+    assert window >= 0 and softcap >= 0.0, (window, softcap)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert k_buffer.shape[2] == head_dim and v_buffer.shape == k_buffer.shape, (q.shape, k_buffer.shape)
@@ -215,6 +232,9 @@ def decode_attention_fwd(
         mid_o,
         mid_lse,
         sm_scale * LOG2E,
+        sm_scale,
+        softcap or 1.0,
+        window,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -235,6 +255,7 @@ def decode_attention_fwd(
         BLOCK_DMODEL=block_dmodel,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.dtype),
+        SOFTCAP=softcap > 0.0,
         num_warps=4,
         num_stages=2,
     )
@@ -243,6 +264,7 @@ def decode_attention_fwd(
         mid_lse,
         o_k,
         seq_lens,
+        window,
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),

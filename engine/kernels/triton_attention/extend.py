@@ -3,6 +3,11 @@
 One program per (request, head, block of new tokens): it streams the cached prefix (gathered
 through `req_to_token`) and then the new tokens themselves under a causal mask, with an online
 softmax.
+
+`window` (a sliding-window layer) hides a key from a query `window` or more positions before it
+(transformers: visible when q - window < k <= q) and skips key blocks no query of the program
+sees, so slots before a request's window are never read; `softcap` (Gemma 2) caps each scaled
+score before the mask.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from engine.kernels.triton_attention.common import (
     interpreter_out,
     online_softmax_step,
     pow2_at_least,
+    scaled_scores,
     unit_last_dim,
     upcast_dot,
 )
@@ -38,6 +44,9 @@ def extend_kernel(
     Extend_start_loc,
     Prefix_lens,
     qk_scale,  # sm_scale * log2(e)
+    sm_scale,
+    softcap,  # Gemma 2's attention-logit cap (with SOFTCAP)
+    window,  # with WINDOW: keys window or more positions before a query are hidden
     stride_qt,
     stride_qh,
     stride_kt,
@@ -58,6 +67,8 @@ def extend_kernel(
     BLOCK_DMODEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     cur_seq = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -91,19 +102,30 @@ def extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
 
     # 1) the cached prefix, gathered slot by slot through the request's table row (no causal mask:
-    #    every new token comes after the whole prefix). Each block has >= 1 valid column.
+    #    every new token comes after the whole prefix). Each block has >= 1 valid column (with a
+    #    window, a row may see none of a block: online_softmax_step keeps it exact).
     table_row = Req_to_token + row * stride_req_to_token
-    for start_n in range(0, prefix_len, BLOCK_N):
+    q_pos = prefix_len + offs_m  # the queries' positions in the sequence
+    prefix_from = 0
+    if WINDOW:  # the first key the block's first query sees, down to a block boundary
+        prefix_from = tl.maximum(prefix_len + block_start - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(prefix_from, prefix_len, BLOCK_N):
         pos = start_n + offs_n
         mask_n = pos < prefix_len
+        if WINDOW:  # slots before the window may be released: never gathered
+            mask_n = mask_n & (pos > prefix_len + block_start - window)
         slots = tl.load(table_row + pos, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(
             K_Buffer + slots[None, :] * stride_buf_ks + cur_kv_head * stride_buf_kh + offs_d[:, None],
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+        qk = scaled_scores(qk, qk_scale, sm_scale, softcap, SOFTCAP)
+        if WINDOW:
+            qk = tl.where(mask_n[None, :] & (q_pos[:, None] - pos[None, :] < window), qk, float("-inf"))
+        else:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(
             V_Buffer + slots[:, None] * stride_buf_vs + cur_kv_head * stride_buf_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
@@ -114,7 +136,10 @@ def extend_kernel(
     # 2) the new tokens themselves, causally; only blocks up to this query block's last row.
     #    Column 0 is visible to every row, so no row is ever fully masked.
     end_n = tl.minimum(ext_len, block_start + BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
+    ext_from = 0
+    if WINDOW:
+        ext_from = tl.maximum(block_start - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(ext_from, end_n, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < end_n
         k = tl.load(
@@ -122,8 +147,11 @@ def extend_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+        qk = scaled_scores(qk, qk_scale, sm_scale, softcap, SOFTCAP)
         visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
+        if WINDOW:
+            visible = visible & (offs_m[:, None] - cols[None, :] < window)
         qk = tl.where(visible, qk, float("-inf"))
         v = tl.load(
             V_Extend + (ext_start + cols[:, None]) * stride_vt + cur_kv_head * stride_vh + offs_d[None, :],
@@ -132,6 +160,8 @@ def extend_kernel(
         ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
+    if WINDOW:  # a padding row past the request may see no key (never stored): no 0 / 0
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         O_Extend + (ext_start + offs_m[:, None]) * stride_ot + cur_head * stride_oh + offs_d[None, :],
@@ -157,6 +187,8 @@ def extend_attention_fwd(
     max_len_extend: int | None = None,
     block_m: int = 32,
     block_n: int = 32,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill (possibly on top of a cached prefix) for a batch of requests of different lengths.
 
@@ -165,9 +197,11 @@ def extend_attention_fwd(
     `prefix_lens[b]` positions of table row `req_pool_indices[b]`) is read from the pool; the new
     tokens' K/V are read from k/v_extend (they may also be in the pool already; that is not
     required). `seq_lens` (= prefix + extend) is accepted for interface parity and not needed.
-    `max_len_extend` (host int) avoids a device sync when given. Writes `o_extend` and returns it.
+    `max_len_extend` (host int) avoids a device sync when given. `window` > 0: a sliding-window
+    layer's mask; `softcap` > 0: scores capped (Gemma 2). Writes `o_extend` and returns it.
     """
     del seq_lens
+    assert window >= 0 and softcap >= 0.0, (window, softcap)
     num_tokens, num_heads, head_dim = q_extend.shape
     num_kv_heads = k_extend.shape[1]
     assert k_extend.shape == v_extend.shape == (num_tokens, num_kv_heads, head_dim), (q_extend.shape, k_extend.shape)
@@ -214,6 +248,9 @@ def extend_attention_fwd(
         extend_start_loc,
         prefix_lens,
         sm_scale * LOG2E,
+        sm_scale,
+        softcap or 1.0,
+        window,
         q_extend.stride(0),
         q_extend.stride(1),
         k_extend.stride(0),
@@ -234,6 +271,8 @@ def extend_attention_fwd(
         BLOCK_DMODEL=pow2_at_least(head_dim),
         DOT_PRECISION=dot_precision(q_extend.dtype),
         UPCAST_DOT=upcast_dot(q_extend.dtype),
+        SOFTCAP=softcap > 0.0,
+        WINDOW=window > 0,
         num_warps=4 if head_dim <= 64 else 8,
         num_stages=1,
     )
