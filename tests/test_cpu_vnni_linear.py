@@ -40,7 +40,7 @@ def test_pack_round_trips_exactly(n, k):
     assert not packed[b, :, c + 1 :].any()
 
 
-@pytest.mark.parametrize("n,k", [(96, 64), (200, 130), (1000, 576), (64, 2048)])
+@pytest.mark.parametrize("n,k", [(5, 32), (24, 64), (96, 64), (200, 130), (1000, 576), (64, 2048)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_products_match_an_fp32_reference_at_every_row_count(n, k, with_bias):
     w, bias = _bf16(n, k, seed=1, scale=0.05), _bf16(n, seed=2) if with_bias else None
