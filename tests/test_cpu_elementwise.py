@@ -78,6 +78,32 @@ def test_gemma_norm_matches_its_torch_form(rows, width):
     _close(fused.rms_norm_unit_offset(x, w, 1e-6), rms_norm_unit_offset(x, w, 1e-6))
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_per_head_norm_is_each_heads_row_norm(unit_offset):
+    """Qwen3's (Gemma 3's) q/k norm on the q|k slab of a fused projection: every head is the row
+    norm of that head with its own weight row, bit for bit, whatever the token stride; within one
+    bf16 step of the torch forms the Python layers ran before."""
+    g = torch.Generator().manual_seed(11)
+    t, heads, kv_heads, d = 9, 6, 2, 64
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * 3).to(torch.bfloat16)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)  # token stride past the slab
+    assert not qk.is_contiguous()
+    q_w, k_w = (
+        (torch.randn(d, generator=g) * 0.5).to(torch.bfloat16),
+        (torch.randn(d, generator=g) * 0.5).to(torch.bfloat16),
+    )
+    table = torch.cat([q_w.expand(heads, -1), k_w.expand(kv_heads, -1)])
+    out = fused.rms_norm_heads(qk, table, 1e-6, unit_offset)
+    assert out.shape == qk.shape and out.is_contiguous()
+    row_norm = fused.rms_norm_unit_offset if unit_offset else fused.rms_norm
+    for h in range(heads + kv_heads):
+        assert torch.equal(out[:, h], row_norm(qk[:, h].contiguous(), table[h].contiguous(), 1e-6))
+    torch_form = rms_norm_unit_offset if unit_offset else rms_norm
+    _close(out, torch_form(qk, table, 1e-6))
+    with pytest.raises(RuntimeError, match="table"):
+        fused.rms_norm_heads(qk, table[:-1].contiguous(), 1e-6)
+
+
 def test_gemma_sandwich_step_sums_in_place_then_normalises():
     """x += post_norm(y) in place (the norm rounded to bf16, then the sum: torch's two ops), then
     the next norm of the sum; without a next weight, x itself comes back."""

@@ -25,6 +25,7 @@ __all__ = [
     "gelu_tanh_mul",
     "load",
     "rms_norm",
+    "rms_norm_heads",
     "rms_norm_unit_offset",
     "rotary",
     "silu_mul",
@@ -56,6 +57,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x += y` in place (bf16, the residual stream), then returns `rms_norm(x)`."""
     return module_or_raise().add_rms_norm_(x, y.contiguous(), weight, eps)
+
+
+def rms_norm_heads(x: torch.Tensor, table: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Each head of `x` `[T, NH, D]` (heads packed, any token stride) normalised as `rms_norm`
+    (`unit_offset`: as `rms_norm_unit_offset`) with its own weight row `table[h]` `[NH, D]`: the
+    q and k norms of Qwen3 (Gemma 3) on the q|k slab in one call. A new contiguous tensor."""
+    return module_or_raise().rms_norm_heads(x, table, eps, unit_offset)
 
 
 def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

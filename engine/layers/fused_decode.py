@@ -160,8 +160,9 @@ def _elementwise_forms(model: Any, dtype: torch.dtype) -> bool:
     """Whether the loop computes `model`'s norms, rotary and activation as its layers do: bf16,
     the fused C++ ops (`model.fused`); fp32, their torch forms (full rotary: a partial one, as
     Phi-3's, has its own; the plain q/k norm, not Gemma 3's unit offset)."""
-    if dtype == torch.bfloat16:
-        return model.fused
+    if dtype == torch.bfloat16:  # the q/k norm too: the loop calls its kernel (plain weights only)
+        norms = [layer.self_attn.qk_norm for layer in model.layers if layer.self_attn.qk_norm is not None]
+        return model.fused and all(n.uses_cpu_kernel and not n.unit_offset for n in norms)
     if dtype != torch.float32 or len(model.rotaries) != 1:
         return False
     head_dim = model.cfg.head_dim

@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
-from engine.layers.norm import rms_norm, rms_norm_weight_first
+from engine.kernels import cpu_elementwise
+from engine.layers.norm import fused_norm_applies, rms_norm, rms_norm_weight_first
 
 
 def _param(size: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -28,7 +29,11 @@ class QKNorm(nn.Module):
     """Qwen3's per-head RMSNorm of q and k, applied to the adjacent q|k heads as one slab with one
     `[H + KVH, D]` weight table (half the ops of normalising each; same per-element arithmetic).
 
-    `unit_offset` (Gemma 3): the weights scale by `1 + weight` in fp32, before the cast."""
+    `unit_offset` (Gemma 3): the weights scale by `1 + weight` in fp32, before the cast.
+
+    bf16 on a CPU with the fused kernels (`uses_cpu_kernel`): one pass per head
+    (`cpu_elementwise.rms_norm_heads`, the fused RMSNorm's roundings) instead of seven torch ops;
+    the fused decode loop calls the same kernel on the same table."""
 
     def __init__(
         self,
@@ -45,15 +50,18 @@ class QKNorm(nn.Module):
         self.k_weight = _param(head_dim, device, dtype)
         self.unit_offset = unit_offset
         self._norm = rms_norm_weight_first if unit_offset else rms_norm
+        self.uses_cpu_kernel = fused_norm_applies(head_dim, device, dtype)
         self.table = torch.empty(0)  # built once the weights are in (`process_weights_after_loading`)
 
     def process_weights_after_loading(self) -> None:
         q, k = self.q_weight, self.k_weight
-        if self.unit_offset:  # an fp32 table: `rms_norm_weight_first` scales before the cast
-            q, k = 1.0 + q.float(), 1.0 + k.float()
+        if self.unit_offset and not self.uses_cpu_kernel:  # an fp32 table: scaled before the cast
+            q, k = 1.0 + q.float(), 1.0 + k.float()  # (the kernel adds the 1 in fp32 itself)
         self.table = torch.cat([q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)])
 
     def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        if self.uses_cpu_kernel:
+            return cpu_elementwise.rms_norm_heads(qk, self.table, self.eps, self.unit_offset)
         return self._norm(qk, self.table, self.eps)
 
     __call__ = forward  # direct call, no hook dispatch (engine/layers/__init__.py)

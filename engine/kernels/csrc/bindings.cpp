@@ -19,6 +19,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm_unit_offset(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rms_norm_heads(torch::Tensor x, torch::Tensor table, double eps, bool unit_offset);
 torch::Tensor add_unit_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, std::optional<torch::Tensor> w_next,
                              double eps);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
@@ -77,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += y (bf16), then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a bf16 [T, 2I] gate|up slab");
   m.def("rms_norm_unit_offset", &rms_norm_unit_offset, "Gemma's (1 + w) RMSNorm of bf16 rows");
+  m.def("rms_norm_heads", &rms_norm_heads, "each bf16 head of a [T, NH, D] slab normalised with its own weight row",
+        py::arg("x"), py::arg("table"), py::arg("eps"), py::arg("unit_offset"));
   m.def("add_unit_norm_", &add_unit_norm_, "x += unit_norm(y, w) (bf16), then unit_norm(x, w_next) or x",
         py::arg("x"), py::arg("y"), py::arg("w"), py::arg("w_next"), py::arg("eps"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a bf16 [T, 2I] gate|up slab");

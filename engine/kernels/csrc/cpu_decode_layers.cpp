@@ -40,6 +40,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor rms_norm_heads(torch::Tensor x, torch::Tensor table, double eps, bool unit_offset);
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                             torch::Tensor slots, torch::Tensor lens, double scale,
                                             std::optional<torch::Tensor> query_starts, double softcap);
@@ -310,7 +311,8 @@ torch::Tensor DecodeLayers::forward(torch::Tensor x, torch::Tensor cos, torch::T
     // q and k are adjacent: normalise (Qwen3) and rotate them as one [T, H + KVH, D] slab (as
     // LlamaAttention does)
     torch::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
-    if (layer.qk_norm.defined()) qk = torch_rms_norm(qk, layer.qk_norm, eps_);
+    if (layer.qk_norm.defined())  // bf16: the fused per-head kernel, as QKNorm runs it
+      qk = f32 ? torch_rms_norm(qk, layer.qk_norm, eps_) : rms_norm_heads(qk, layer.qk_norm, eps_, false);
     qk = f32 ? f32_rotary(qk, cos, sin) : rotary(qk, cos, sin);
     const torch::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
     store_rows(layer.k_buffer, out_cache_loc, qk.narrow(1, h, kvh));

@@ -113,6 +113,34 @@ torch::Tensor rms_norm_unit_offset(torch::Tensor x, torch::Tensor w, double eps)
   return norm_rows(x, w, eps, "rms_norm_unit_offset", unit_norm_row);
 }
 
+// Each head of x [T, NH, D] (rows of D contiguous, any token stride: the q|k slab of a fused
+// q|k|v projection) normalised with its own weight row table[h] ([NH, D]: Qwen3's q and k norm
+// weights, Gemma 3's offsets from 1 when `unit_offset`), into a new contiguous [T, NH, D].
+torch::Tensor rms_norm_heads(torch::Tensor x, torch::Tensor table, double eps, bool unit_offset) {
+  TORCH_CHECK(x.device().is_cpu() && table.device().is_cpu(), "rms_norm_heads: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && table.scalar_type() == torch::kBFloat16,
+              "rms_norm_heads: bfloat16 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rms_norm_heads: x [T, NH, D], heads packed");
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.size(0) == x.size(1) && table.size(1) == x.size(2),
+              "rms_norm_heads: table [NH, D] contiguous");
+  TORCH_CHECK(x.size(2) % 16 == 0, "rms_norm_heads: D must be a multiple of 16");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), ts = x.stride(0);
+  auto out = torch::empty({T, NH, D}, x.options());
+  const bf16 *xp = x.data_ptr<bf16>(), *wp = table.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T * NH, grain_rows(D), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const int64_t t = i / NH, h = i % NH;
+      if (unit_offset)
+        unit_norm_row(xp + t * ts + h * D, wp + h * D, o + i * D, D, e);
+      else
+        rms_norm_row(xp + t * ts + h * D, wp + h * D, o + i * D, D, e);
+    }
+  });
+  return out;
+}
+
 // Gemma's sandwich step: x <- bf16(x + unit_norm(y, w)) in place (the residual stream: the norm
 // rounded to bf16, then the sum, as torch's two ops), then returns unit_norm(x, w_next); with no
 // w_next, x itself.
