@@ -334,21 +334,11 @@ def check_backend(device, gen, dtype, page_size, layers, windows=(), softcap=Non
 
 
 def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from tests.triton_subprocess import compile_for_gpu
 
-    ptr = {
-        "Q": dt,
-        "K_Buffer": dt,
-        "V_Buffer": dt,
-        "Out": dt,
-        "K": dt,
-        "V": dt,
-        "Q_Extend": dt,
-        "K_Extend": dt,
-        "V_Extend": dt,
-        "O_Extend": dt,
+    tensors = ("Q", "K_Buffer", "V_Buffer", "Out", "K", "V", "Q_Extend", "K_Extend", "V_Extend", "O_Extend")
+    ptr = dict.fromkeys(tensors, dt)
+    ptr |= {
         "Req_to_token": "i32",
         "Req_pool_indices": "i64",
         "Seq_lens": "i64",
@@ -380,15 +370,8 @@ def check_compile(K, dt: str = "bf16", arch: int = 90) -> None:
             else:
                 sig[arg] = "fp32" if arg in ("qk_scale", "sm_scale", "softcap") else "i32"
         label = f"compile {name} {dt} sm_{arch}"
-        try:
-            compiled = triton.compile(
-                ASTSource(fn=fn, signature=sig, constexprs=consts),
-                target=GPUTarget("cuda", arch, 32),
-                options={"num_warps": 4, "num_stages": 2},
-            )
-            ok = bool(compiled.asm.get("cubin"))
-        except Exception as e:
-            ok, label = False, f"{label}: {type(e).__name__}: {str(e)[:2000]}"
+        error = compile_for_gpu(fn, sig, consts, arch)
+        ok, label = not error, f"{label}: {error}" if error else label
         print(f"{'ok  ' if ok else 'FAIL'} {label} {_elapsed()}", flush=True)
         if not ok:
             FAILURES.append(label)
