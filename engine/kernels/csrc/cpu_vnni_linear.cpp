@@ -74,7 +74,7 @@ torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor packed, std::optional<t
   const bf16* bp = b.defined() ? b.data_ptr<bf16>() : nullptr;
   bf16* yp = y.data_ptr<bf16>();
   const int64_t block = k * kCols;  // elements
-  // block i's output columns, its bias, its outputs in row 0
+  // block i's live output columns (the last block may be partial) and its bias
   auto cols = [&](int64_t i) { return std::min(kCols, n_out - i * kCols); };
   auto bias_of = [&](int64_t i) { return bp != nullptr ? bp + i * kCols : nullptr; };
   if (m_rows <= kGemvRows) {
